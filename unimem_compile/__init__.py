@@ -1,0 +1,23 @@
+"""unimem-compile: one memory arena for hybrid MLA + linear-attention models under torch.compile.
+
+    model = unimem_compile.compile(model, max_batch_size=8, max_seq_len=1024)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    print(model.unimem.stats())
+
+See DESIGN.md (architecture), README.md (usage) and benchmarks/RESULTS.md (measurements).
+"""
+
+from . import errors
+from .errors import GeometryError, InvalidFree, PoolExhausted, UnimemError, UnsupportedModel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GeometryError",
+    "InvalidFree",
+    "PoolExhausted",
+    "UnimemError",
+    "UnsupportedModel",
+    "errors",
+    "__version__",
+]

@@ -1,0 +1,62 @@
+"""The ``unimem-compile`` command: ``demo``, ``pool-info`` and ``inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+GIB = 1 << 30
+
+
+def _pool_info(args: argparse.Namespace) -> int:
+    from .pool import geometry, pool_info
+
+    kv, state = geometry(args.geometry)
+    info = pool_info(kv, state, int(args.budget_gib * GIB), args.page_size, geometry_name=args.geometry)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    r = info["request_4096"]
+    print(f"geometry            {info['geometry']}")
+    print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)")
+    print(f"page size           {info['page_size']} tokens, {info['page_bytes']:,} bytes per page envelope")
+    print(f"slot pitch          {info['slot_bytes']:,} bytes per request state")
+    print(f"max KV tokens       {info['max_kv_tokens']:,} (states take no room)")
+    print(f"max state slots     {info['max_state_slots']:,} (KV takes no room)")
+    print(f"overhead            {info['overhead_fraction']:.4%} of the budget (sink, tail pad, alignment)")
+    for mix in info["mixes"]:
+        print(f"  {mix['tokens_per_request']:>7,}-token requests: {mix['max_requests']:,} at once")
+    print(
+        f"one 4096-token request: needs {r['bytes_needed']:,} B, this pool allocates {r['bytes_allocated']:,} B "
+        f"(+{r['bytes_allocated'] / r['bytes_needed'] - 1:.2%}); a hybrid allocator padding attention blocks to "
+        f"the state size allocates {r['padded_group_bytes_allocated']:,} B "
+        f"(+{r['padded_group_bytes_allocated'] / r['bytes_needed'] - 1:.2%})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .pool import GEOMETRIES
+
+    parser = argparse.ArgumentParser(prog="unimem-compile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pool-info", help="size an arena for a model geometry (no memory is allocated)")
+    p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES))
+    p.add_argument("--budget-gib", type=float, default=40.0, help="arena size in GiB (default 40)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_pool_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

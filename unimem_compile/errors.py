@@ -1,0 +1,44 @@
+"""Exception types of unimem-compile (DESIGN.md section 5).
+
+Every error carries the numbers that explain it (asked vs available bytes, the bad shape and the expected
+one). An operation that raises leaves the pool (arena bytes and tables) exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UnimemError", "PoolExhausted", "InvalidFree", "GeometryError", "UnsupportedModel"]
+
+
+class UnimemError(Exception):
+    """Base class of every error raised by unimem-compile."""
+
+
+class PoolExhausted(UnimemError):
+    """An allocation does not fit into the arena; nothing was changed.
+
+    Attributes:
+        requested: bytes the allocation asked for (whole pages or whole slots).
+        available: the free gap between the two sides, in bytes.
+        side: ``"kv"`` (pages) or ``"state"`` (slots): the side that asked.
+        reclaimable: ``{"kv": bytes, "state": bytes}``: how many bytes compacting each side would add to
+            the free gap (holes left by freed pages / slots).
+    """
+
+    def __init__(self, message: str, *, requested: int, available: int, side: str, reclaimable: dict[str, int]):
+        super().__init__(message)
+        self.requested = int(requested)
+        self.available = int(available)
+        self.side = side
+        self.reclaimable = dict(reclaimable)
+
+
+class InvalidFree(UnimemError):
+    """A free of the sink, of an id that was never allocated, or of an id freed already."""
+
+
+class GeometryError(UnimemError, ValueError):
+    """Geometry that cannot be laid out: a bad field in a spec, a budget too small, a missing tail pad."""
+
+
+class UnsupportedModel(UnimemError):
+    """A model family unimem-compile has no adapter for, or a config it cannot map onto the pool."""

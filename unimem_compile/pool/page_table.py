@@ -1,0 +1,143 @@
+"""Per-row page tables: which virtual pages hold each row's tokens, and how many tokens it has.
+
+A row (one request in a batch) owns a list of virtual pages; token ``i`` of the row lives at virtual
+location ``pages[i // ps] * ps + i % ps``. The table kernels read is ``int32 [max_batch_size,
+max_pages_per_row]`` of virtual page ids (-1 = none) plus ``kv_len int32 [max_batch_size]``; both have a
+host copy that is edited and a device copy refreshed in place by :meth:`PageTables.sync`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import GeometryError
+from .unified import UnifiedPool
+
+__all__ = ["PageTables"]
+
+
+class PageTables:
+    """Page tables of ``max_batch_size`` rows over one pool.
+
+    Args:
+        pool: the pool pages come from.
+        max_batch_size: rows (B).
+        max_pages_per_row: columns (P); a row holds at most ``P * page_size`` tokens.
+
+    Attributes:
+        page_table: int32 ``[B, P]`` on the pool's device (-1 = no page).
+        kv_len: int32 ``[B]`` on the pool's device: tokens stored per row.
+    """
+
+    def __init__(self, pool: UnifiedPool, max_batch_size: int, max_pages_per_row: int):
+        if max_batch_size <= 0 or max_pages_per_row <= 0:
+            raise GeometryError(
+                f"max_batch_size ({max_batch_size}) and max_pages_per_row ({max_pages_per_row}) must be positive"
+            )
+        self.pool = pool
+        self.page_size = pool.layout.page_size
+        self.max_batch_size = max_batch_size
+        self.max_pages_per_row = max_pages_per_row
+        self._host_table = torch.full((max_batch_size, max_pages_per_row), -1, dtype=torch.int32)
+        self._host_len = torch.zeros(max_batch_size, dtype=torch.int32)
+        on_cpu = pool.device.type == "cpu"
+        self.page_table = self._host_table if on_cpu else self._host_table.to(pool.device)
+        self.kv_len = self._host_len if on_cpu else self._host_len.to(pool.device)
+        self.rows: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self.lengths = [0] * max_batch_size
+
+    @property
+    def max_row_tokens(self) -> int:
+        return self.max_pages_per_row * self.page_size
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch_size:
+            raise GeometryError(f"row {row} is out of range [0, {self.max_batch_size})")
+
+    def pages_needed(self, rows: Sequence[int], new_lengths: Sequence[int]) -> int:
+        """Pages to allocate so that each ``rows[i]`` can hold ``new_lengths[i]`` tokens."""
+        need = 0
+        for row, n in zip(rows, new_lengths):
+            need += max(0, -(-n // self.page_size) - len(self.rows[row]))
+        return need
+
+    def grow(self, rows: Sequence[int], new_lengths: Sequence[int], in_flight_pages: Sequence[int] = ()) -> None:
+        """Make each ``rows[i]`` hold ``new_lengths[i]`` tokens, allocating pages; all rows or none.
+
+        ``kv_len`` is set to the new lengths (tokens written this step count as stored: the step writes
+        them before attention reads them).
+
+        Raises:
+            GeometryError: a row out of range, a length below the row's current one, or above
+                ``max_pages_per_row * page_size``.
+            PoolExhausted: the pages do not fit; no row changed.
+        """
+        rows, new_lengths = list(rows), [int(n) for n in new_lengths]
+        for row, n in zip(rows, new_lengths):
+            self._check_row(row)
+            if n < self.lengths[row]:
+                raise GeometryError(f"row {row} holds {self.lengths[row]} tokens; cannot shrink it to {n}")
+            if n > self.max_row_tokens:
+                raise GeometryError(
+                    f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
+                    f"page_size={self.page_size} = {self.max_row_tokens}"
+                )
+        need = self.pages_needed(rows, new_lengths)
+        fresh = self.pool.alloc_pages(need, in_flight_pages=in_flight_pages) if need else []
+        it = iter(fresh)
+        for row, n in zip(rows, new_lengths):
+            pages = self.rows[row]
+            while len(pages) * self.page_size < n:
+                p = next(it)
+                self._host_table[row, len(pages)] = p
+                pages.append(p)
+            self.lengths[row] = n
+            self._host_len[row] = n
+        self.sync()
+
+    def locations(self, row: int, start: int, count: int) -> torch.Tensor:
+        """Virtual token locations (int64 ``[count]``, host) of tokens ``start .. start+count-1`` of ``row``.
+
+        Raises:
+            GeometryError: a token beyond the row's allocated pages.
+        """
+        self._check_row(row)
+        pages = self.rows[row]
+        if start < 0 or start + count > len(pages) * self.page_size:
+            raise GeometryError(
+                f"row {row}: tokens [{start}, {start + count}) lie outside its {len(pages)} pages of {self.page_size}"
+            )
+        idx = torch.arange(start, start + count, dtype=torch.int64)
+        table = torch.tensor(pages, dtype=torch.int64) if pages else torch.zeros(0, dtype=torch.int64)
+        return table[idx // self.page_size] * self.page_size + idx % self.page_size
+
+    def release(self, row: int) -> None:
+        """Free every page of ``row`` and empty it."""
+        self._check_row(row)
+        if self.rows[row]:
+            self.pool.free_pages(self.rows[row])
+        self.rows[row] = []
+        self.lengths[row] = 0
+        self._host_table[row] = -1
+        self._host_len[row] = 0
+        self.sync()
+
+    def release_all(self) -> None:
+        """Free every row's pages."""
+        pages = [p for r in self.rows for p in r]
+        if pages:
+            self.pool.free_pages(pages)
+        self.rows = [[] for _ in range(self.max_batch_size)]
+        self.lengths = [0] * self.max_batch_size
+        self._host_table.fill_(-1)
+        self._host_len.zero_()
+        self.sync()
+
+    def sync(self) -> None:
+        """Refresh the device copies in place (a no-op on the CPU, where they are the host tensors)."""
+        if self.page_table is not self._host_table:
+            self.page_table.copy_(self._host_table)
+            self.kv_len.copy_(self._host_len)
+

@@ -1,0 +1,373 @@
+"""UnifiedPool: the arena tensor, its tables on the device, views, and compaction that moves bytes.
+
+:class:`UnifiedPool` owns one uint8 arena of exactly ``layout.memory_budget`` bytes on a device, a
+:class:`~unimem_compile.pool.allocator.MultiEndedAllocator` for the bookkeeping, and device copies of its
+tables (``v2p``, ``p2v``, ``s_v2p``, ``s_p2v``; int64) that are refreshed in place after every change,
+so compiled graphs and CUDA graphs that captured them see the new values at the same addresses.
+
+The only pool tensor a compiled graph should take is :attr:`UnifiedPool.arena`; the dense and state views
+below are for Python code and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..errors import GeometryError
+from .allocator import Move, MultiEndedAllocator
+from .layout import ArenaLayout
+from .specs import dtype_itemsize
+from .translate import translate_kv_loc_dense, translate_slot
+
+__all__ = ["UnifiedPool", "PoolStats", "kv_dense_views", "state_views", "structural_overhead", "POISON_BYTE"]
+
+#: Byte a poisoned (free) page or slot is filled with: 0xFF.. is NaN in fp32, fp16 and bf16.
+POISON_BYTE = 0xFF
+
+
+def _typed(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The arena reinterpreted as ``dtype`` elements (a view; trailing bytes that do not fill an element
+    are left out)."""
+    itemsize = dtype_itemsize(dtype)
+    n = arena.numel() // itemsize * itemsize
+    return arena[:n].view(dtype)
+
+
+def kv_dense_views(arena: torch.Tensor, layout: ArenaLayout) -> list[torch.Tensor]:
+    """Per-layer dense views of the KV rows: for layer ``l`` a ``[num_pages * L * ps, 1, D]`` tensor of the
+    store dtype whose row ``r`` is arena row ``r + l * ps`` (``torch.as_strided``; the views overlap).
+
+    Row ``translate_kv_loc_dense(v2p, t, ps, L)`` of view ``l`` is token ``t``'s row in layer ``l``.
+
+    Args:
+        arena: uint8 ``[memory_budget]``.
+        layout: its geometry (needs a KV spec).
+
+    Raises:
+        GeometryError: no KV spec, or the arena lacks the tail pad the last view runs into (the message
+            gives the bytes needed).
+    """
+    if layout.kv is None:
+        raise GeometryError("this layout has no KV sub-pool")
+    if arena.dtype != torch.uint8 or arena.dim() != 1:
+        raise GeometryError(f"the arena must be a 1-D uint8 tensor, got {arena.dtype} {tuple(arena.shape)}")
+    need = layout.dense_view_bytes
+    if arena.numel() < need:
+        raise GeometryError(
+            f"the arena has {arena.numel()} bytes but the per-layer dense views need {need} bytes "
+            f"({layout.num_pages} pages of {layout.page_bytes} bytes + a tail pad of "
+            f"{need - layout.num_pages * layout.page_bytes} bytes)"
+        )
+    typed = _typed(arena, layout.kv.store_dtype)
+    d, ps, L = layout.kv_cache_dim, layout.page_size, layout.layer_num
+    rows = layout.num_pages * L * ps
+    return [typed.as_strided((rows, 1, d), (d, d, 1), l * ps * d) for l in range(L)]
+
+
+def state_views(arena: torch.Tensor, layout: ArenaLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of linear-attention layer ``layer``'s conv and recurrent sections for every PHYSICAL slot.
+
+    Returns:
+        ``(conv, recurrent)``: ``[num_slots, *conv.shape]`` in the conv dtype and
+        ``[num_slots, *recurrent.shape]`` in the recurrent dtype; slot ``s`` starts at byte
+        ``s * slot_bytes`` (the pitch), so index them with physical slot ids.
+
+    Raises:
+        GeometryError: no state spec, or ``layer`` out of range.
+    """
+    spec = layout.state
+    if spec is None:
+        raise GeometryError("this layout has no state sub-pool")
+    if not 0 <= layer < spec.layer_num:
+        raise GeometryError(f"state layer {layer} is out of range [0, {spec.layer_num})")
+    out = []
+    for section, offset in (
+        (spec.layers[layer].conv, spec.conv_offset(layer)),
+        (spec.layers[layer].recurrent, spec.recurrent_offset(layer)),
+    ):
+        isz = dtype_itemsize(section.dtype)
+        shape = (layout.num_slots, *section.shape)
+        stride = [1] * len(section.shape)
+        for i in range(len(section.shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * section.shape[i + 1]
+        out.append(_typed(arena, section.dtype).as_strided(shape, (layout.slot_bytes // isz, *stride), offset // isz))
+    return out[0], out[1]
+
+
+@dataclasses.dataclass
+class PoolStats:
+    """Counters of one pool; ``as_dict`` gives the "pool" keys of DESIGN.md section 5."""
+
+    total_bytes: int
+    kv_pages_used: int
+    state_slots_used: int
+    kv_pages_peak: int
+    state_slots_peak: int
+    page_bytes: int
+    slot_bytes: int
+    free_gap_bytes: int
+    kv_hole_bytes: int
+    state_hole_bytes: int
+    overhead_fraction: float
+    compactions: int
+    bytes_moved: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class UnifiedPool:
+    """One arena shared by KV pages and state slots, on one device.
+
+    Args:
+        layout: the geometry (see :class:`ArenaLayout`).
+        device: where the arena and the device tables live.
+        poison: fill free pages and slots (never the sink) with 0xFF bytes, NaN in every float dtype, so a
+            kernel that reads an unwritten or freed row yields NaN. Defaults to ``UNIMEM_DEBUG=1``.
+
+    Attributes:
+        arena: uint8 ``[memory_budget]``; bytes ``[0, sink_floor)`` are zero and never written.
+        v2p, p2v, s_v2p, s_p2v: int64 device tables, updated in place.
+        allocator: the bookkeeping (CPU).
+
+    Raises:
+        PoolExhausted, InvalidFree: from the allocation methods, with nothing changed.
+    """
+
+    def __init__(self, layout: ArenaLayout, device: torch.device | str = "cpu", *, poison: bool | None = None):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.poison = os.environ.get("UNIMEM_DEBUG") == "1" if poison is None else poison
+        self.allocator = MultiEndedAllocator(layout)
+        self.arena = torch.zeros(layout.memory_budget, dtype=torch.uint8, device=self.device)
+        if self.poison:
+            self.arena[layout.sink_floor:].fill_(POISON_BYTE)
+        if self.device.type == "cpu":
+            # the allocator's numpy tables are the tables: nothing to copy
+            self.v2p, self.p2v = self.allocator.v2p, self.allocator.p2v
+            self.s_v2p, self.s_p2v = self.allocator.s_v2p, self.allocator.s_p2v
+        else:
+            self.v2p = self.allocator.v2p.to(self.device)
+            self.p2v = self.allocator.p2v.to(self.device)
+            self.s_v2p = self.allocator.s_v2p.to(self.device)
+            self.s_p2v = self.allocator.s_p2v.to(self.device)
+        self._synced_version = self.allocator.version
+        self._kv_views: list[torch.Tensor] | None = None
+        self._pages_peak = 0
+        self._slots_peak = 0
+        self.compactions = 0
+        self.bytes_moved = 0
+
+    @classmethod
+    def for_capacity(cls, kv, state, page_size: int, n_pages: int, n_slots: int, device="cpu", **kw) -> UnifiedPool:
+        """The smallest pool holding ``n_pages`` pages and ``n_slots`` slots at once."""
+        return cls(ArenaLayout.for_capacity(kv, state, page_size, n_pages, n_slots), device, **kw)
+
+    # ------------------------------------------------------------------ tables
+    def sync_tables(self) -> None:
+        """Copy changed host tables into the device tables, in place (a no-op on the CPU)."""
+        if self.device.type == "cpu" or self._synced_version == self.allocator.version:
+            return
+        self.v2p.copy_(self.allocator.v2p, non_blocking=False)
+        self.p2v.copy_(self.allocator.p2v, non_blocking=False)
+        self.s_v2p.copy_(self.allocator.s_v2p, non_blocking=False)
+        self.s_p2v.copy_(self.allocator.s_p2v, non_blocking=False)
+        self._synced_version = self.allocator.version
+
+    # ------------------------------------------------------------------ pages
+    def alloc_pages(self, n: int, in_flight_pages: Iterable[int] = (), in_flight_slots: Iterable[int] = ()) -> list[int]:
+        """Allocate ``n`` KV pages; returns their virtual ids. Page contents are undefined until written.
+
+        If they do not fit but would after compaction, the pool compacts first (never moving the PHYSICAL
+        ids listed as in flight).
+
+        Raises:
+            PoolExhausted: they do not fit even after compaction; nothing changed (except a compaction,
+                which preserves every live byte at its virtual id).
+        """
+        return self._alloc("kv", n, in_flight_pages, in_flight_slots)
+
+    def free_pages(self, virtual_pages: Iterable[int]) -> None:
+        """Free virtual pages (they become tombstones). Raises InvalidFree with nothing freed."""
+        ids = [int(v) for v in virtual_pages]
+        phys = [int(self.allocator.kv.v2p[v]) if 0 < v < self.layout.num_pages else -1 for v in ids]
+        self.allocator.free("kv", ids)
+        if self.poison and phys:
+            self._page_rows()[torch.tensor(phys, device=self.device)] = POISON_BYTE
+        self.sync_tables()
+
+    # ------------------------------------------------------------------ slots
+    def alloc_slots(self, n: int, in_flight_pages: Iterable[int] = (), in_flight_slots: Iterable[int] = ()) -> list[int]:
+        """Allocate ``n`` state slots, zero-filled (a zero state is "no history"); returns virtual ids.
+
+        Raises:
+            PoolExhausted: as :meth:`alloc_pages`.
+        """
+        ids = self._alloc("state", n, in_flight_pages, in_flight_slots)
+        if ids:
+            phys = torch.tensor([int(self.allocator.state.v2p[v]) for v in ids], device=self.device)
+            self._slot_rows()[phys] = 0
+        return ids
+
+    def free_slots(self, virtual_slots: Iterable[int]) -> None:
+        """Free virtual slots (they become tombstones). Raises InvalidFree with nothing freed."""
+        ids = [int(v) for v in virtual_slots]
+        phys = [int(self.allocator.state.v2p[v]) if 0 < v < self.layout.num_slots else -1 for v in ids]
+        self.allocator.free("state", ids)
+        if self.poison and phys:
+            self._slot_rows()[torch.tensor(phys, device=self.device)] = POISON_BYTE
+        self.sync_tables()
+
+    def _alloc(self, side: str, n: int, in_flight_pages: Iterable[int], in_flight_slots: Iterable[int]) -> list[int]:
+        alloc = self.allocator
+        if not alloc.can_alloc(side, n) and alloc.can_alloc_after_compaction(side, n):
+            other = "state" if side == "kv" else "kv"
+            pinned = {"kv": list(in_flight_pages), "state": list(in_flight_slots)}
+            self.compact(other, pinned[other])
+            if not alloc.can_alloc(side, n):
+                self.compact(side, pinned[side])
+        ids = alloc.alloc(side, n)
+        self._pages_peak = max(self._pages_peak, alloc.pages_used)
+        self._slots_peak = max(self._slots_peak, alloc.slots_used)
+        self.sync_tables()
+        return ids
+
+    # ------------------------------------------------------------------ compaction
+    def compact(self, side: str = "both", in_flight: Iterable[int] = ()) -> list[Move]:
+        """Move live pages up / live slots down into holes, copying whole envelopes / slots.
+
+        Args:
+            side: "kv", "state" or "both".
+            in_flight: PHYSICAL ids that must not move (pages for "kv", slots for "state"; for "both" give
+                ``{"kv": [...], "state": [...]}``).
+
+        Returns:
+            the moves made. Every live byte stays readable at its virtual id.
+        """
+        sides = ("kv", "state") if side == "both" else (side,)
+        pinned = in_flight if isinstance(in_flight, dict) else {side: in_flight}
+        moves: list[Move] = []
+        for s in sides:
+            planned = self.allocator.plan_compaction(s, pinned.get(s, ()))
+            if planned:
+                rows = self._page_rows() if s == "kv" else self._slot_rows()
+                src = torch.tensor([m.src for m in planned], device=self.device)
+                dst = torch.tensor([m.dst for m in planned], device=self.device)
+                rows[dst] = rows[src]  # advanced indexing gathers first: sources and dests never alias
+                if self.poison:
+                    rows[src] = POISON_BYTE
+                self.bytes_moved += 2 * len(planned) * rows.shape[1]
+            moves += planned
+        if moves:
+            self.compactions += 1
+        self.sync_tables()
+        return moves
+
+    # ------------------------------------------------------------------ byte views
+    def _page_rows(self) -> torch.Tensor:
+        pb = self.layout.page_bytes
+        return self.arena[: self.layout.num_pages * pb].view(self.layout.num_pages, pb)
+
+    def _slot_rows(self) -> torch.Tensor:
+        sb = self.layout.slot_bytes
+        return self.arena[: self.layout.num_slots * sb].view(self.layout.num_slots, sb)
+
+    def kv_views(self) -> list[torch.Tensor]:
+        """Per-layer dense KV views (see :func:`kv_dense_views`)."""
+        if self._kv_views is None:
+            self._kv_views = kv_dense_views(self.arena, self.layout)
+        return self._kv_views
+
+    def state_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, recurrent)`` views of linear layer ``layer`` indexed by PHYSICAL slot (see
+        :func:`state_views`)."""
+        return state_views(self.arena, self.layout, layer)
+
+    # ------------------------------------------------------------------ Python read / write of rows
+    def dense_rows(self, virt_loc: torch.Tensor) -> torch.Tensor:
+        """Dense row ids of virtual token locations (0 = sink for -1 and tombstones)."""
+        lay = self.layout
+        return translate_kv_loc_dense(self.v2p, virt_loc.to(self.device, torch.int64), lay.page_size, lay.layer_num)
+
+    def write_kv(self, layer: int, virt_loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows [T, D]`` (the KV dtype; fp8 given as fp8 or uint8) for tokens ``virt_loc [T]`` of
+        ``layer``. Lanes whose location is < 0 or on a tombstoned page write nothing.
+
+        Raises:
+            GeometryError: bad layer, shapes or dtype.
+        """
+        lay = self.layout
+        if lay.kv is None or not 0 <= layer < lay.layer_num:
+            raise GeometryError(f"KV layer {layer} is out of range [0, {lay.layer_num})")
+        if rows.dim() != 2 or rows.shape != (virt_loc.numel(), lay.kv_cache_dim):
+            raise GeometryError(f"rows must be [{virt_loc.numel()}, {lay.kv_cache_dim}], got {tuple(rows.shape)}")
+        store = lay.kv.store_dtype
+        if rows.dtype != lay.kv.dtype and not (store == torch.uint8 and rows.dtype == torch.uint8):
+            raise GeometryError(f"rows must be {lay.kv.dtype}, got {rows.dtype}")
+        dense = self.dense_rows(virt_loc.reshape(-1))
+        keep = dense > 0
+        view = self.kv_views()[layer][:, 0]
+        view[dense[keep]] = rows.to(self.device).view(store)[keep]
+
+    def read_kv(self, layer: int, virt_loc: torch.Tensor) -> torch.Tensor:
+        """Rows ``[T, D]`` of ``layer`` for virtual locations ``[T]`` in the KV dtype (zeros for the sink)."""
+        lay = self.layout
+        if lay.kv is None or not 0 <= layer < lay.layer_num:
+            raise GeometryError(f"KV layer {layer} is out of range [0, {lay.layer_num})")
+        rows = self.kv_views()[layer][:, 0][self.dense_rows(virt_loc.reshape(-1))]
+        return rows.view(lay.kv.dtype) if lay.kv.store_dtype != lay.kv.dtype else rows
+
+    def physical_slots(self, virtual_slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Physical slot ids of virtual ones (0 for -1 and tombstones)."""
+        ids = torch.as_tensor(virtual_slots, dtype=torch.int64, device=self.device)
+        return translate_slot(self.s_v2p, ids)
+
+    def physical_pages(self, virtual_pages: Iterable[int]) -> list[int]:
+        """Physical page ids of virtual ones (-1 for tombstones)."""
+        return [int(self.allocator.kv.v2p[int(v)]) for v in virtual_pages]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> PoolStats:
+        a, lay = self.allocator, self.layout
+        return PoolStats(
+            total_bytes=lay.memory_budget,
+            kv_pages_used=a.pages_used,
+            state_slots_used=a.slots_used,
+            kv_pages_peak=self._pages_peak,
+            state_slots_peak=self._slots_peak,
+            page_bytes=lay.page_bytes,
+            slot_bytes=lay.slot_bytes,
+            free_gap_bytes=a.free_gap_bytes,
+            kv_hole_bytes=a.hole_bytes("kv"),
+            state_hole_bytes=a.hole_bytes("state"),
+            overhead_fraction=structural_overhead(lay) / lay.memory_budget,
+            compactions=self.compactions,
+            bytes_moved=self.bytes_moved,
+        )
+
+    def reset_peaks(self) -> None:
+        self._pages_peak = self.allocator.pages_used
+        self._slots_peak = self.allocator.slots_used
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (
+            f"UnifiedPool({lay.memory_budget} bytes on {self.device}, page_size={lay.page_size}, "
+            f"{self.allocator.pages_used}/{lay.num_pages} pages of {lay.page_bytes} B, "
+            f"{self.allocator.slots_used}/{lay.num_slots} slots of {lay.slot_bytes} B)"
+        )
+
+
+def structural_overhead(layout: ArenaLayout) -> int:
+    """Bytes of the arena no token or state can ever use: the sink, the tail pad, the bytes past the last
+    whole page, and (an upper bound) the alignment padding of every slot if states filled the arena."""
+    page_tail = layout.usable - layout.num_pages * layout.page_bytes if layout.page_bytes else 0
+    slot_pad = 0
+    if layout.state is not None:
+        slot_pad = layout.max_state_slots * (layout.slot_bytes - layout.state.raw_bytes)
+    return layout.sink_floor + layout.tail_pad + page_tail + slot_pad
+
