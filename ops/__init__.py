@@ -1,0 +1,17 @@
+"""Custom ops of the ``unimem`` namespace (DESIGN.md section 4): declaration + fake impl + pure-torch
+reference + Triton kernel + checking launcher per op family. Import as ``unimem_compile.ops``; never as a
+top-level ``ops`` (each op would register twice).
+
+Modules: ``translate`` (id translation), ``mla_write`` (fused latent write), ``mla_gather`` (paged rows
+-> dense history), ``mla_decode`` (paged decode attention), ``state`` (slot gather/scatter), ``conv``
+(short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on slots).
+"""
+
+from . import conv, kda, mla_decode, mla_gather, mla_write, state, translate
+from .conv import *  # noqa: F401,F403
+from .kda import *  # noqa: F401,F403
+from .mla_decode import *  # noqa: F401,F403
+from .mla_gather import *  # noqa: F401,F403
+from .mla_write import *  # noqa: F401,F403
+from .state import *  # noqa: F401,F403
+from .translate import *  # noqa: F401,F403

@@ -1,0 +1,198 @@
+"""What every op family shares: launcher input checks, UNIMEM_DEBUG id checks, and how ops are declared.
+
+How an op is declared (every module in this package follows it):
+
+* ``torch.library.custom_op("unimem::<name>", mutates_args=...)`` whose default implementation is the
+  pure-torch reference (so CPU tensors, and any device without a kernel, run the reference);
+* ``<op>.register_kernel("cuda", <launcher>)``: CUDA tensors run the Triton kernel through its launcher;
+* ``<op>.register_fake``: shapes/strides identical to the real results (Inductor asserts this);
+* the launcher ``<name>_triton`` is public and also runs CPU tensors under ``TRITON_INTERPRET=1`` (how the
+  tests exercise kernels without a GPU). ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is
+  defined, i.e. at import: set it before importing ``unimem_compile``.
+
+A mutating op returns None and never aliases an input in its result (AOT functionalises it and Inductor
+re-inplaces it). Launchers check dtype, device, rank and trailing sizes always, and ids against the live
+set when ``UNIMEM_DEBUG=1`` (costs a device sync).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from unimem_compile.errors import GeometryError
+
+__all__ = [
+    "KERNEL_KV_DTYPES",
+    "debug_checks",
+    "interpreting",
+    "check_tensor",
+    "check_same_device",
+    "check_mla_geometry",
+    "check_slot_geometry",
+    "check_live_locations",
+    "check_live_slots",
+]
+
+#: KV dtypes the kernels of this version compute in (fp8 is stored and moved, not computed on).
+KERNEL_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def debug_checks() -> bool:
+    """Whether ``UNIMEM_DEBUG=1``: launchers then check every location and slot id against the live set."""
+    return os.environ.get("UNIMEM_DEBUG") == "1"
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), e.g. on CPU tensors in CI."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype | Iterable[torch.dtype] | None = None,
+    dim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = False,
+) -> None:
+    """Raise a specific error if ``t`` is not what ``op`` needs.
+
+    ``shape`` entries of None match any size. Raises TypeError for a wrong type or dtype and
+    GeometryError (a ValueError) for a wrong rank, size or layout; messages name the op, the argument and
+    both the expected and actual values.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise TypeError(f"{op}: {name} must be {' or '.join(map(str, allowed))}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise GeometryError(f"{op}: {name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            raise GeometryError(f"{op}: {name} must have shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise GeometryError(f"{op}: {name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device; returns it. ValueError naming the odd one out otherwise."""
+    device = None
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {device}")
+    assert device is not None
+    return device
+
+
+def check_mla_geometry(
+    op: str,
+    arena: torch.Tensor,
+    v2p: torch.Tensor,
+    layer: int,
+    layer_num: int,
+    page_size: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    kv_dtype: torch.dtype,
+) -> None:
+    """Check the MLA geometry tail G against the arena and the page table size.
+
+    Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
+    not a multiple of 16 bytes, or ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
+    the arena (the message gives the bytes needed); TypeError for a kv_dtype kernels cannot compute in.
+    """
+    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1)
+    check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1)
+    if kv_dtype not in KERNEL_KV_DTYPES:
+        raise TypeError(f"{op}: kv_dtype must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}")
+    for name, value in (("layer_num", layer_num), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_rope_head_dim", qk_rope_head_dim)):
+        if value <= 0:
+            raise GeometryError(f"{op}: {name} must be positive, got {value}")
+    if not 0 <= layer < layer_num:
+        raise GeometryError(f"{op}: layer {layer} is outside [0, {layer_num})")
+    isz = torch.empty((), dtype=kv_dtype).element_size()
+    row = (kv_lora_rank + qk_rope_head_dim) * isz
+    if row % 16:
+        raise GeometryError(f"{op}: a row of {kv_lora_rank + qk_rope_head_dim} x {isz} bytes is not a multiple of 16")
+    need = v2p.numel() * page_size * layer_num * row + (layer_num - 1) * page_size * row
+    if arena.numel() < need:
+        raise GeometryError(
+            f"{op}: {v2p.numel()} pages of {page_size * layer_num * row} bytes plus the tail pad need {need} "
+            f"arena bytes, the arena has {arena.numel()}"
+        )
+
+
+def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_offset: int, nbytes: int,
+                        slot_bytes: int, align: int = 16) -> None:
+    """Check a state section ``[byte_offset, byte_offset + nbytes)`` of a slot of pitch ``slot_bytes``.
+
+    Raises GeometryError when the pitch is not positive or not 16-byte aligned, the section is misaligned
+    or does not lie inside the slot, or ``len(s_v2p)`` slots do not fit in the arena.
+    """
+    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1)
+    check_tensor(op, "s_v2p", s_v2p, dtype=torch.int64, dim=1)
+    if slot_bytes <= 0 or slot_bytes % align:
+        raise GeometryError(f"{op}: slot_bytes must be a positive multiple of {align}, got {slot_bytes}")
+    if byte_offset < 0 or byte_offset % align:
+        raise GeometryError(f"{op}: byte_offset must be a non-negative multiple of {align}, got {byte_offset}")
+    if byte_offset + nbytes > slot_bytes:
+        raise GeometryError(
+            f"{op}: the section [{byte_offset}, {byte_offset + nbytes}) does not fit in a slot of {slot_bytes} bytes"
+        )
+    if s_v2p.numel() * slot_bytes > arena.numel():
+        raise GeometryError(
+            f"{op}: {s_v2p.numel()} slots of {slot_bytes} bytes need {s_v2p.numel() * slot_bytes} arena bytes, "
+            f"the arena has {arena.numel()}"
+        )
+
+
+def check_live_locations(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_size: int) -> None:
+    """(UNIMEM_DEBUG) every location >= 0 must be on a live virtual page (>= 1, mapped, in range).
+
+    Raises GeometryError listing up to 8 offending lanes with their location and page.
+    """
+    flat = virt.reshape(-1).to(torch.int64)
+    lanes = torch.nonzero(flat >= 0).reshape(-1)
+    if lanes.numel() == 0:
+        return
+    vpage = flat[lanes] // page_size
+    in_range = vpage < v2p.numel()
+    ppage = torch.full_like(vpage, -1)
+    ppage[in_range] = v2p[vpage[in_range]]
+    bad = (~in_range) | (vpage == 0) | (ppage <= 0)
+    if bool(bad.any()):
+        idx = lanes[bad][:8].tolist()
+        detail = ", ".join(f"lane {i}: location {int(flat[i])} (virtual page {int(flat[i]) // page_size})" for i in idx)
+        raise GeometryError(f"{op}: {int(bad.sum())} locations are not on live pages: {detail}")
+
+
+def check_live_slots(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    """(UNIMEM_DEBUG) every slot id >= 0 must be a live virtual slot (>= 1, mapped, in range)."""
+    flat = slot_ids.reshape(-1).to(torch.int64)
+    lanes = torch.nonzero(flat >= 0).reshape(-1)
+    if lanes.numel() == 0:
+        return
+    ids = flat[lanes]
+    in_range = ids < s_v2p.numel()
+    phys = torch.full_like(ids, -1)
+    phys[in_range] = s_v2p[ids[in_range]]
+    bad = (~in_range) | (ids == 0) | (phys <= 0)
+    if bool(bad.any()):
+        idx = lanes[bad][:8].tolist()
+        raise GeometryError(
+            f"{op}: {int(bad.sum())} slot ids are not live: " + ", ".join(f"lane {i}: slot {int(flat[i])}" for i in idx)
+        )

@@ -1,0 +1,20 @@
+"""Test-process setup. Triton decides interpreter vs compiled when a kernel module is imported, so the
+interpreter is switched on here, before anything imports unimem_compile (DESIGN.md section 4)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def gen():
+    """A seeded torch.Generator: random inputs that are reproducible per test."""
+    g = torch.Generator().manual_seed(1234)
+    return g
