@@ -1,0 +1,70 @@
+"""Sizing without allocation and the pool-info command."""
+
+import json
+import math
+
+import torch
+
+from unimem_compile.cli import main
+from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, geometry, max_requests, padded_group_bytes, pool_info
+
+GIB = 1 << 30
+
+
+def test_kimi_linear_geometry_is_the_real_checkpoint_geometry():
+    kv, state = geometry("kimi-linear-48b")
+    assert (kv.layer_num, kv.kv_lora_rank, kv.qk_rope_head_dim, kv.dtype) == (7, 512, 64, torch.bfloat16)
+    assert state.layer_num == 20
+    layer = state.layers[0]
+    assert layer.conv.shape == (3 * 32 * 128, 4) and layer.conv.dtype == torch.bfloat16
+    assert layer.recurrent.shape == (32, 128, 128) and layer.recurrent.dtype == torch.float32
+
+
+def test_pool_info_of_40_gib_kimi_linear_has_under_half_a_percent_overhead():
+    kv, state = geometry("kimi-linear-48b")
+    info = pool_info(kv, state, 40 * GIB, 64, "kimi-linear-48b")
+    page_bytes = 64 * 7 * 576 * 2
+    per_layer = 3 * 32 * 128 * 4 * 2 + 32 * 128 * 128 * 4  # conv + recurrent, both 16-byte multiples
+    assert info["page_bytes"] == page_bytes
+    assert info["slot_bytes"] == 20 * per_layer
+    assert info["overhead_fraction"] < 0.005
+    usable = 40 * GIB - page_bytes
+    sink = 20 * per_layer
+    assert info["max_kv_tokens"] == (usable // page_bytes - math.ceil(sink / page_bytes)) * 64
+    assert info["max_state_slots"] == usable // (20 * per_layer) - 1
+    r = info["request_4096"]
+    assert r["bytes_needed"] == 4096 * 7 * 1152 + 20 * per_layer
+    assert r["bytes_allocated"] == r["bytes_needed"]  # 4096 is a whole number of 64-token pages
+    assert 1.15 < r["padded_group_bytes_allocated"] / r["bytes_needed"] < 1.25
+    assert [m["tokens_per_request"] for m in info["mixes"]] == [4096, 32768, 131072]
+
+
+def test_max_requests_is_the_largest_count_that_fits():
+    kv = MLASpec(2, 32, 16, torch.float32)
+    st = LinearStateSpec.kda(1, 2, 8, 4, torch.float32)
+    lay = ArenaLayout(200_000, 16, kv, st)
+    for tokens in (1, 40, 300):
+        n = max_requests(lay, tokens)
+        pages = math.ceil(tokens / 16)
+        assert lay.fits(n * pages, n) and not lay.fits((n + 1) * pages, n + 1)
+
+
+def test_padded_group_model_pads_blocks_and_groups():
+    kv = MLASpec(2, 32, 16, torch.float32)  # 192 bytes per token per layer
+    st = LinearStateSpec.kda(3, 2, 8, 4, torch.float32)
+    per_layer_state = st.slot_bytes // 3
+    block = math.ceil(math.ceil(per_layer_state / 192) / 16) * 16
+    page = block * 192
+    # 2 attention layers, 3 linear layers padded to 4 (groups of 2)
+    assert padded_group_bytes(kv, st, 100) == 2 * math.ceil(100 / block) * page + 4 * page
+
+
+def test_pool_info_cli_prints_the_design_keys(capsys):
+    assert main(["pool-info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info) == {"geometry", "budget_bytes", "page_size", "page_bytes", "slot_bytes", "max_kv_tokens",
+                         "max_state_slots", "overhead_fraction", "mixes", "request_4096"}
+    assert set(info["request_4096"]) == {"bytes_needed", "bytes_allocated", "padded_group_bytes_allocated"}
+    assert info["budget_bytes"] == 40 * GIB and info["overhead_fraction"] < 0.005
+    assert main(["pool-info", "--budget-gib", "2", "--page-size", "16"]) == 0
+    assert "16 tokens" in capsys.readouterr().out
