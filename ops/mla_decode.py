@@ -1,5 +1,384 @@
-"""unimem::mla_decode: split-K paged MLA decode attention over latent pages (issue 4)
+"""Op ``unimem::mla_decode``: paged MLA decode attention over latent pages (split-K flash decoding).
 
-Not implemented yet: this module is being written (see the issue)."""
+One query token per row attends over that row's first ``kv_len[b]`` cached latent rows, read straight
+from the arena through ``page_table -> v2p`` (DESIGN.md section 3: token ``i`` of row ``b`` lies on
+virtual page ``page_table[b, i // ps]`` at offset ``i % ps``; its row in layer ``l`` is
+``v2p[vpage] * ps * L + l * ps + i % ps``, ``D = R + Dr`` elements of ``kv_dtype`` wide). Queries are
+absorbed (``q_nope`` already multiplied by W_UK), so keys are whole rows and values are their first ``R``
+columns; the result stays in the latent space (the caller applies W_UV).
 
-__all__: list[str] = []
+Algorithm: flash decoding (Dao et al., "Flash-Decoding for long-context inference", 2023) on the paged
+layout, as FlashMLA and the Triton MLA decode kernels of serving engines do it. Stage 1: program
+``(row, split, head group)`` walks its split's tokens in tiles of ``BLOCK_N``, all of the group's heads
+sharing each loaded tile (``tl.dot [H, D] x [D, BLOCK_N]``), with an fp32 online softmax; it writes a
+normalised partial output and its log-sum-exp. Stage 2 merges the splits of each (row, head). The split
+count is a function of static sizes only (batch, page-table width, heads and the device's SM count), so
+a growing context never recompiles and the launch can be captured in a CUDA graph; the split LENGTH is
+computed inside the kernel from ``kv_len``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_compile.errors import GeometryError
+
+from .common import KERNEL_KV_DTYPES, check_mla_geometry, check_same_device, check_tensor, debug_checks
+
+__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits"]
+
+#: Resident stage-1 blocks per SM that the default split count fills (one wave): measured on an H200
+#: with BLOCK_N 64, 4 warps (see benchmarks/RESULTS.md).
+BLOCKS_PER_SM = 2
+#: Heads per program: 32 x R fp32 accumulators are what 4 warps hold in registers.
+MAX_BLOCK_H = 32
+#: Stand-in SM count when the kernels run in the interpreter (CPU tensors).
+INTERPRETER_SMS = 4
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def mla_decode_reference(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
+    kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
+    qk_rope_head_dim: int, kv_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Plain-torch paged MLA decode: gather every row's tokens through the tables, fp32 softmax.
+
+    Same contract as :func:`mla_decode` (no input checks). Tokens on tombstoned pages (or page-table
+    entries < 0 / past ``v2p``) inside ``kv_len`` read as zero rows; tokens at or past ``kv_len`` are
+    never used (their bytes may be NaN). Memory: ``B * P * page_size * D`` fp32 values.
+    """
+    B, H, R = q_nope.shape
+    D = kv_lora_rank + qk_rope_head_dim
+    ps, P = page_size, page_table.shape[1]
+    dev = q_nope.device
+    t = torch.arange(P * ps, device=dev)
+    length = kv_len.to(torch.int64).clamp(0, P * ps)
+    live = t[None, :] < length[:, None]  # [B, n]
+    vpage = page_table.to(torch.int64)[:, t // ps]
+    ok = live & (vpage >= 0) & (vpage < v2p.numel())
+    ppage = v2p[vpage.clamp(0, v2p.numel() - 1)]
+    ok = ok & (ppage >= 0)
+    rows = torch.where(ok, ppage * (ps * layer_num) + layer * ps + t % ps, 0)
+    row_bytes = D * torch.empty((), dtype=kv_dtype).element_size()
+    typed = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)
+    kv = torch.where(ok[..., None], typed[rows].float(), 0.0)  # [B, n, D]; where() drops NaN bytes
+    q = torch.cat([q_nope, q_rope], dim=-1).float()
+    scores = torch.einsum("bhd,bnd->bhn", q, kv) * sm_scale
+    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with kv_len 0 has no finite score
+    out = torch.einsum("bhn,bnr->bhr", probs, kv[..., :R])
+    return torch.where(length[:, None, None] > 0, out, 0.0).to(q_nope.dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _split_bounds(kv_len_ptr, b, s, max_tokens, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # every split of a row gets the same number of whole tiles; the last used one may be shorter
+    n = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), max_tokens)
+    split_len = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    return n, split_len, start, tl.minimum(start + split_len, n)
+
+
+@triton.jit
+def _tile_rows(pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.constexpr, L: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
+    # Arena rows of tokens [t0, t0 + BLOCK_N). With PAGE_TILE (ps a multiple of BLOCK_N) the tile lies in
+    # one page: one scalar lookup, and the caller adds arange(BLOCK_N). Otherwise one lookup per token.
+    # A tombstone (v2p = -1) or an out-of-range entry becomes physical page 0, the all-zero sink, so the
+    # token reads zeros without a mask; tokens >= end are masked by the caller and never read.
+    if PAGE_TILE:
+        t = t0
+        in_range = t0 < end
+    else:
+        t = t0 + tl.arange(0, BLOCK_N)
+        in_range = t < end
+    vpage = tl.load(pt_row_ptr + t // PS, mask=in_range, other=-1).to(tl.int64)
+    ok = in_range & (vpage >= 0) & (vpage < num_pages)
+    ppage = tl.load(v2p_ptr + tl.where(ok, vpage, 0), mask=ok, other=0)
+    ppage = tl.maximum(ppage, 0)
+    return ppage * (PS * L) + layer_rows + t % PS
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_nope_ptr, q_rope_ptr, kv_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    qk_scale, num_pages, max_tokens, layer_rows, H,
+    stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
+    R: tl.constexpr, DR: tl.constexpr, PS: tl.constexpr, L: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PAGE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # program (row b, split s, head group g): tokens [start, end) of row b for heads g*BLOCK_H + [0, BLOCK_H)
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    D: tl.constexpr = R + DR
+    n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, max_tokens, NUM_SPLITS, BLOCK_N)
+
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    h_ok = offs_h < H
+    r_ok = offs_r < R
+    dr_ok = offs_dr < DR
+    kv_ty = kv_ptr.dtype.element_ty
+    # padded heads load zero queries: finite scores, outputs never stored
+    q_nope = tl.load(q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+                     mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(kv_ty)
+    q_rope = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_dr[None, :],
+                     mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(kv_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
+    offs_n = tl.arange(0, BLOCK_N)
+    # the next tile's page lookup is issued one iteration ahead, so its two dependent table loads overlap
+    # the current tile's KV load instead of stalling in front of it
+    rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
+    for t0 in range(start, end, BLOCK_N):
+        rows = rows_next
+        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
+                               PAGE_TILE)
+        t_ok = (t0 + offs_n) < end
+        if PAGE_TILE:
+            row_off = rows * D + offs_n * D
+        else:
+            row_off = rows * D
+        kv_nope = tl.load(kv_ptr + row_off[:, None] + offs_r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        kv_rope = tl.load(kv_ptr + row_off[:, None] + R + offs_dr[None, :], mask=t_ok[:, None] & dr_ok[None, :],
+                          other=0.0)
+        qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv_ty), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
+    o = acc / l_safe[:, None]
+    hr_ok = h_ok[:, None] & r_ok[None, :]
+    if NUM_SPLITS == 1:
+        out_off = (b.to(tl.int64) * H + offs_h[:, None]) * R + offs_r[None, :]
+        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hr_ok)
+    else:
+        # an unused split (start >= end) stores nothing: the merge reads only the splits holding tokens
+        if start < end:
+            slot = (b.to(tl.int64) * NUM_SPLITS + s) * H + offs_h
+            tl.store(part_o_ptr + slot[:, None] * R + offs_r[None, :], o.to(part_o_ptr.dtype.element_ty), mask=hr_ok)
+            tl.store(part_lse_ptr + slot, m_i + tl.log2(l_safe), mask=h_ok)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # program (row b, head h): log-sum-exp merge of the used splits' normalised partial outputs
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n, split_len, _start, _end = _split_bounds(kv_len_ptr, b, 0, max_tokens, NUM_SPLITS, BLOCK_N)
+    used = tl.cdiv(n, tl.maximum(split_len, 1))
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    m = tl.full([], float("-inf"), tl.float32)
+    den = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, used):
+        slot = (b.to(tl.int64) * NUM_SPLITS + s) * H + h
+        lse = tl.load(part_lse_ptr + slot)
+        o = tl.load(part_o_ptr + slot * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        scale = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * scale + w * o
+        den = den * scale + w
+        m = m_new
+    out = acc / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + (b.to(tl.int64) * H + h) * R + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size: int, device: torch.device,
+                          *, block_n: int = 64, block_h: int = MAX_BLOCK_H, blocks_per_sm: int = BLOCKS_PER_SM) -> int:
+    """Split count of the stage-1 grid: the largest that keeps ``batch x splits x head groups`` within one
+    wave of resident blocks (``blocks_per_sm x SMs``), at least 1, at most one split per ``block_n`` tile
+    of a full row (``max_pages x page_size`` tokens). Depends on static sizes only (never on ``kv_len``)."""
+    sms = INTERPRETER_SMS if device.type != "cuda" else _sm_count(device.index if device.index is not None
+                                                                    else torch.cuda.current_device())
+    groups = triton.cdiv(num_heads, block_h)
+    tiles = triton.cdiv(max_pages * page_size, block_n)
+    return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
+
+
+def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
+           qk_rope_head_dim, kv_dtype) -> None:
+    check_tensor(op, "q_nope", q_nope, dtype=KERNEL_KV_DTYPES, dim=3)
+    B, H = q_nope.shape[:2]
+    check_tensor(op, "q_nope", q_nope, shape=(B, H, kv_lora_rank))
+    check_tensor(op, "q_rope", q_rope, dtype=q_nope.dtype, shape=(B, H, qk_rope_head_dim))
+    check_tensor(op, "page_table", page_table, dtype=torch.int32, dim=2)
+    check_tensor(op, "page_table", page_table, shape=(B, None))
+    check_tensor(op, "kv_len", kv_len, dtype=torch.int32, shape=(B,))
+    check_mla_geometry(op, arena, v2p, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    check_same_device(op, q_nope=q_nope, q_rope=q_rope, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len)
+
+
+def _check_live_pages(op: str, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
+                      page_size: int) -> None:
+    """(UNIMEM_DEBUG) kv_len within the table, and every page holding a token < kv_len live."""
+    P = page_table.shape[1]
+    lens = kv_len.to(torch.int64)
+    bad_len = torch.nonzero((lens < 0) | (lens > P * page_size)).reshape(-1)
+    if bad_len.numel():
+        b = int(bad_len[0])
+        raise GeometryError(f"{op}: kv_len[{b}] = {int(lens[b])} is outside [0, {P} pages x {page_size} tokens]")
+    used = torch.arange(P, device=page_table.device)[None, :] < (lens[:, None] + page_size - 1) // page_size
+    vpage = page_table.to(torch.int64)
+    in_range = (vpage >= 1) & (vpage < v2p.numel())
+    ppage = torch.where(in_range, v2p[vpage.clamp(0, v2p.numel() - 1)], -1)
+    bad = torch.nonzero(used & (ppage <= 0))
+    if bad.numel():
+        detail = ", ".join(f"row {int(b)} page slot {int(j)}: virtual page {int(page_table[b, j])}"
+                           for b, j in bad[:8].tolist())
+        raise GeometryError(f"{op}: {bad.shape[0]} pages inside kv_len are not live: {detail}")
+
+
+def mla_decode_triton(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
+    kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
+    qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int = 64,
+    block_h: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    partial_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
+
+    Args: as :func:`mla_decode`, plus keyword-only tuning knobs for tests and benchmarks:
+        num_splits: splits per row (default :func:`mla_decode_num_splits`, from static sizes only).
+        block_n: tokens per tile (a power of two >= 16); block_h: heads per program (power of two >= 16,
+            default ``min(32, next_pow2(H))``); num_warps, num_stages: Triton launch options;
+        partial_dtype: dtype of the per-split partial outputs in the scratch buffer (fp32 by default).
+
+    Returns:
+        ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
+        allocated with ``torch.empty`` per call (caching allocator; CUDA-graph safe).
+
+    Raises:
+        TypeError / GeometryError / ValueError: wrong dtypes, shapes, geometry or devices; under
+        ``UNIMEM_DEBUG=1`` also GeometryError for a ``kv_len`` outside the table or a page inside
+        ``kv_len`` that is not live (costs a device sync).
+    """
+    op = "mla_decode"
+    _check(op, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
+           qk_rope_head_dim, kv_dtype)
+    if debug_checks():
+        _check_live_pages(op, v2p, page_table, kv_len, page_size)
+    B, H, R = q_nope.shape
+    P = page_table.shape[1]
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{op}: block_n must be a power of two >= 16, got {block_n}")
+    block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    splits = num_splits or mla_decode_num_splits(B, P, H, page_size, q_nope.device, block_n=block_n,
+                                                 block_h=block_h)
+    if splits < 1:
+        raise ValueError(f"{op}: num_splits must be positive, got {splits}")
+    out = torch.empty((B, H, R), dtype=q_nope.dtype, device=q_nope.device)
+    if B == 0 or H == 0:
+        return out
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
+    if q_rope.stride(-1) != 1:
+        q_rope = q_rope.contiguous()
+    page_table = page_table.contiguous()
+    kv_len = kv_len.contiguous()
+    row_bytes = (kv_lora_rank + qk_rope_head_dim) * torch.empty((), dtype=kv_dtype).element_size()
+    kv = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype)
+    if splits > 1:
+        part_o = torch.empty((B, splits, H, R), dtype=partial_dtype, device=q_nope.device)
+        part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
+    else:
+        part_o = part_lse = out  # unused by the kernel when there is one split
+    block_r = triton.next_power_of_2(R)
+    _mla_decode_split_kernel[(B, splits, triton.cdiv(H, block_h))](
+        q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out,
+        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
+        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(qk_rope_head_dim),
+        NUM_SPLITS=splits, PAGE_TILE=page_size % block_n == 0,
+        DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _mla_decode_merge_kernel[(B, H)](
+            part_o, part_lse, kv_len, out, P * page_size, H,
+            R=R, BLOCK_R=block_r, NUM_SPLITS=splits, BLOCK_N=block_n, num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- declaration
+@torch.library.custom_op("unimem::mla_decode", mutates_args=())
+def mla_decode(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
+    kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
+    qk_rope_head_dim: int, kv_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode attention of one absorbed query per row over that row's paged latent KV.
+
+    Args:
+        q_nope: ``[B, H, R]`` bf16/fp16/fp32, the no-rope query already multiplied by W_UK (last dim
+            contiguous; other strides free).
+        q_rope: ``[B, H, Dr]``, q_nope's dtype, the rotary part of the query.
+        arena: uint8 ``[memory_budget]``, read only.
+        v2p: int64 ``[num_pages]``, virtual -> physical page (-1 = tombstone).
+        page_table: int32 ``[B, P]`` virtual pages of each row.
+        kv_len: int32 ``[B]`` tokens per row (0 allowed; at most ``P * page_size``).
+        sm_scale: softmax scale applied to ``q_nope . kv[:R] + q_rope . kv[R:]``.
+        layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (R = kv_lora_rank,
+            Dr = qk_rope_head_dim); kv_dtype bf16, fp16 or fp32.
+
+    Returns:
+        ``[B, H, R]`` contiguous in q's dtype: ``softmax(scores) @ kv[:, :R]`` per row and head, zeros for
+        rows with ``kv_len == 0``. Pages past ``kv_len`` are never read. A tombstoned page inside
+        ``kv_len`` is a caller bug: its tokens read as zero rows (``UNIMEM_DEBUG=1`` raises instead).
+
+    Raises:
+        TypeError / GeometryError / ValueError: see :func:`mla_decode_triton`.
+    """
+    _check("mla_decode", q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size,
+           kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    if debug_checks():
+        _check_live_pages("mla_decode", v2p, page_table, kv_len, page_size)
+    return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num,
+                                page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+
+
+@mla_decode.register_kernel("cuda")
+def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size, kv_lora_rank,
+      qk_rope_head_dim, kv_dtype):
+    return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size,
+                             kv_lora_rank, qk_rope_head_dim, kv_dtype)
+
+
+@mla_decode.register_fake
+def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size, kv_lora_rank,
+      qk_rope_head_dim, kv_dtype):
+    return q_nope.new_empty(q_nope.shape)
+
