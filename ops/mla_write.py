@@ -1,5 +1,305 @@
-"""unimem::mla_kv_write and unimem::mla_kv_write_rmsnorm: the fused latent KV write (issue 3)
+"""Ops ``unimem::mla_kv_write`` and ``unimem::mla_kv_write_rmsnorm``: the fused MLA latent KV write.
 
-Not implemented yet: this module is being written (see the issue)."""
+One launch per call writes ``T`` tokens' latent rows ``[kv_nope | k_rope]`` (``D = R + Dr`` values of
+``kv_dtype``) of one MLA layer into the uint8 arena. The virtual -> dense translation of DESIGN.md
+section 3 happens inside the kernel (no index tensor is materialised)::
 
-__all__: list[str] = []
+    row = v2p[t // ps] * ps * L + layer * ps + t % ps        (D-wide rows of kv_dtype from byte 0)
+
+A lane writes nothing when its location is < 0, its virtual page lies past ``v2p``, is tombstoned
+(``v2p = -1``), or maps to a physical page <= 0 (the sink). The ``_rmsnorm`` variant applies the model's
+``kv_a_layernorm`` to ``kv_nope`` on the way, computed exactly as transformers' ``DeepseekV3RMSNorm`` /
+``KimiLinearRMSNorm`` compute it (:func:`rmsnorm_reference`).
+
+References: :func:`mla_kv_write_reference` (plain torch, through ``unimem_compile.pool.translate``), also
+the default implementation of the ops (CPU tensors run it). CUDA tensors run the Triton kernel through the
+checking launchers :func:`mla_kv_write_triton` / :func:`mla_kv_write_rmsnorm_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unimem_compile.errors import GeometryError
+from unimem_compile.pool import translate as ref
+
+from .common import (
+    KERNEL_KV_DTYPES,
+    check_live_locations,
+    check_mla_geometry,
+    check_same_device,
+    check_tensor,
+    debug_checks,
+    interpreting,
+)
+
+__all__ = [
+    "mla_kv_write",
+    "mla_kv_write_rmsnorm",
+    "mla_kv_write_triton",
+    "mla_kv_write_rmsnorm_triton",
+    "mla_kv_write_reference",
+    "rmsnorm_reference",
+]
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# ---------------------------------------------------------------------------- shared helpers
+def typed_rows(arena: torch.Tensor, kv_dtype: torch.dtype, row_width: int) -> torch.Tensor:
+    """The arena as ``[n_rows, row_width]`` rows of ``kv_dtype`` counted from byte 0 (a view, no copy;
+    trailing bytes that do not fill a row are left out)."""
+    row_bytes = row_width * torch.empty((), dtype=kv_dtype).element_size()
+    n = arena.numel() // row_bytes
+    return arena[: n * row_bytes].view(kv_dtype).view(n, row_width)
+
+
+def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int, page_size: int):
+    """Arena row ids of virtual token locations in one MLA layer, with the lanes that hold a row.
+
+    Args:
+        v2p: int64 ``[num_pages]``.
+        loc: int64, any shape: virtual token locations (< 0 = none).
+
+    Returns:
+        ``(rows, live)``: int64 and bool of ``loc``'s shape; ``rows`` is
+        ``translate_kv_loc_dense(v2p, loc, ps, L) + layer * ps`` where ``live`` and 0 elsewhere. ``live``
+        is False for negative locations, virtual pages past ``v2p`` and physical pages <= 0 (tombstones and
+        the sink: a location on virtual page 0 maps into the sink and must be masked, not just one whose
+        dense id is 0).
+    """
+    in_table = torch.div(loc, page_size, rounding_mode="floor") < v2p.numel()
+    loc = torch.where(in_table, loc, -1)
+    phys = ref.translate_kv_loc(v2p, loc, page_size)
+    live = phys >= page_size  # physical page >= 1
+    dense = ref.translate_kv_loc_dense(v2p, loc, page_size, layer_num) + layer * page_size
+    return torch.where(live, dense, 0), live
+
+
+def check_kernel_device(op: str, device: torch.device) -> None:
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"{op}: the Triton launcher needs CUDA tensors or TRITON_INTERPRET=1, got {device}")
+
+
+def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size,
+                 kv_lora_rank, qk_rope_head_dim, kv_dtype) -> None:
+    check_mla_geometry(op, arena, v2p, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    check_tensor(op, "virt_loc", virt_loc, dtype=torch.int64, dim=1)
+    t = virt_loc.shape[0]
+    nope_name = "kv_nope" if norm_weight is None else "kv_nope_unnormed"
+    check_tensor(op, nope_name, kv_nope, dtype=KERNEL_KV_DTYPES, shape=(t, kv_lora_rank))
+    check_tensor(op, "k_rope", k_rope, dtype=KERNEL_KV_DTYPES, shape=(t, qk_rope_head_dim))
+    for name, x in ((nope_name, kv_nope), ("k_rope", k_rope)):
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise GeometryError(f"{op}: {name} must have a last-dimension stride of 1, got strides {x.stride()}")
+    if norm_weight is not None:
+        check_tensor(op, "norm_weight", norm_weight, dtype=KERNEL_KV_DTYPES, shape=(kv_lora_rank,), contiguous=True)
+        if not eps >= 0.0:
+            raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
+    check_same_device(op, arena=arena, v2p=v2p, virt_loc=virt_loc, kv_nope=kv_nope, k_rope=k_rope,
+                      norm_weight=norm_weight)
+    if debug_checks():
+        check_live_locations(op, v2p, virt_loc, page_size)
+
+
+# ---------------------------------------------------------------------------- references
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``DeepseekV3RMSNorm`` / ``KimiLinearRMSNorm`` forward, operation for operation.
+
+    ``x32 = x.float(); y = (x32 * rsqrt(mean(x32 ** 2, -1) + eps)).to(x.dtype); return weight * y``: the
+    result has dtype ``promote_types(weight.dtype, x.dtype)`` (for bf16 weight and input: an fp32
+    multiply rounded once to bf16).
+    """
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
+                           qk_rope_head_dim, kv_dtype) -> None:
+    """Plain-torch :func:`mla_kv_write` (arguments as there; no checks). Duplicate live locations in one
+    call leave one of their rows, unspecified which (as in the kernel)."""
+    rows, live = latent_rows(v2p, virt_loc, layer, layer_num, page_size)
+    values = torch.cat([kv_nope.to(kv_dtype), k_rope.to(kv_dtype)], dim=-1)
+    typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim)[rows[live]] = values[live]
+
+
+# ---------------------------------------------------------------------------- kernel
+@triton.jit
+def _mla_kv_write_kernel(
+    out_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
+    v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,
+    T, num_pages, layer, layer_num, page_size,
+    nope_stride, rope_stride, eps,
+    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr, VEC: tl.constexpr,
+    NORM: tl.constexpr, IN_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+):
+    # Tiling: program i owns tokens [i*BLOCK_T, (i+1)*BLOCK_T) and their WHOLE rows, as two tiles:
+    # [BLOCK_T, R_P2] of kv_nope (the RMSNorm reduces along it) and [BLOCK_T, DR_P2] of k_rope. Each token's
+    # destination row is translated here, per lane, so no index tensor exists outside the kernel.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    loc = tl.load(loc_ptr + t, mask=t < T, other=-1)
+    live = loc >= 0
+    safe = tl.where(live, loc, 0)  # negative ids are the sink BEFORE any division
+    vpage = safe // page_size
+    live = live & (vpage < num_pages)
+    ppage = tl.load(v2p_ptr + vpage, mask=live, other=0)  # masked before indexing the table
+    live = live & (ppage > 0)  # tombstone (-1) or the sink (0): write nothing
+    row = (ppage * layer_num + layer) * page_size + (safe - vpage * page_size)
+    # rows are D * itemsize bytes, a multiple of 16: every row starts 16-byte aligned
+    dst = tl.multiple_of(row * (R + DR), VEC)
+
+    cols = tl.arange(0, R_P2)
+    m = live[:, None] & (cols < R)[None, :]
+    x = tl.load(nope_ptr + t[:, None] * nope_stride + cols[None, :], mask=m, other=0.0)
+    if NORM:
+        # transformers' RMSNorm: fp32 statistics, the normalised value rounded to the input dtype, then
+        # weight * value in the promoted dtype (one fp32 multiply and one rounding for bf16)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=1) / R
+        y = (xf * tl.rsqrt(var + eps)[:, None]).to(IN_DTYPE).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=cols < R, other=0.0).to(tl.float32)
+        x = (y * w[None, :]).to(PROD_DTYPE)
+    tl.store(out_ptr + dst[:, None] + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
+
+    rcols = tl.arange(0, DR_P2)
+    rm = live[:, None] & (rcols < DR)[None, :]
+    r = tl.load(rope_ptr + t[:, None] * rope_stride + rcols[None, :], mask=rm, other=0.0)
+    tl.store(out_ptr + dst[:, None] + R + rcols[None, :], r.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+def _block_t(t: int) -> int:
+    # decode-sized calls (T <= 256) get one token per program so every SM has work; large prefills get
+    # up to 8 tokens (~9 KiB of bf16 per program at R + Dr = 576), keeping >= 256 programs in flight
+    return 1 << min(3, max(0, (t // 256).bit_length() - 1))
+
+
+def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
+            qk_rope_head_dim, kv_dtype, block_t):
+    _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size,
+                 kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    check_kernel_device(op, arena.device)
+    t = virt_loc.shape[0]
+    if t == 0:
+        return
+    bt = _block_t(t) if block_t is None else block_t
+    if bt <= 0 or bt & (bt - 1):
+        raise ValueError(f"{op}: block_t must be a power of two, got {bt}")
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    r_p2 = triton.next_power_of_2(kv_lora_rank)
+    # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps
+    warps = max(1, min(4, bt * r_p2 * itemsize // 512))
+    norm = norm_weight is not None
+    prod = torch.promote_types(norm_weight.dtype, kv_nope.dtype) if norm else kv_nope.dtype
+    _mla_kv_write_kernel[(triton.cdiv(t, bt),)](
+        typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim), v2p, virt_loc, kv_nope, k_rope,
+        norm_weight if norm else kv_nope,
+        t, v2p.numel(), layer, layer_num, page_size, kv_nope.stride(0), k_rope.stride(0), float(eps),
+        R=kv_lora_rank, DR=qk_rope_head_dim, R_P2=r_p2, DR_P2=triton.next_power_of_2(qk_rope_head_dim),
+        BLOCK_T=bt, VEC=16 // itemsize, NORM=norm, IN_DTYPE=TL_DTYPES[kv_nope.dtype], PROD_DTYPE=TL_DTYPES[prod],
+        num_warps=warps,
+    )
+
+
+def mla_kv_write_triton(
+    arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope: torch.Tensor, k_rope: torch.Tensor,
+    layer: int, layer_num: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype,
+    *, block_t: int | None = None,
+) -> None:
+    """Write latent rows into the arena with one Triton launch (the CUDA kernel of ``unimem::mla_kv_write``).
+
+    Args:
+        arena: uint8 ``[memory_budget]``, written in place (only the rows of live lanes; nothing else).
+        v2p: int64 ``[num_pages]``, virtual page -> physical page (-1 = tombstone).
+        virt_loc: int64 ``[T]``, virtual token locations ``virtual_page * page_size + offset``; < 0 = none.
+        kv_nope: ``[T, R]`` bf16/fp16/fp32, last-dimension stride 1, any row stride (a slice of a wider
+            tensor is read in place, never copied).
+        k_rope: ``[T, Dr]``, same rules; its dtype may differ from ``kv_nope``'s.
+        layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G (DESIGN.md
+            section 4); values are cast to ``kv_dtype`` at the store (round to nearest even).
+        block_t: tokens per program (a power of two); default chosen from T.
+
+    Lanes write nothing when the location is < 0, past the table, tombstoned or on a physical page <= 0.
+    Two live lanes with the same location: one of them wins, unspecified which.
+
+    Raises:
+        TypeError: a wrong dtype. GeometryError: wrong ranks/sizes/strides or a geometry that does not fit
+        the arena; under ``UNIMEM_DEBUG=1`` also for a location >= 0 that is not on a live page.
+        ValueError: tensors on different devices, or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _launch("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, layer, layer_num, page_size,
+            kv_lora_rank, qk_rope_head_dim, kv_dtype, block_t)
+
+
+def mla_kv_write_rmsnorm_triton(
+    arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope_unnormed: torch.Tensor,
+    k_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float, layer: int, layer_num: int, page_size: int,
+    kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype, *, block_t: int | None = None,
+) -> None:
+    """:func:`mla_kv_write_triton` of ``rmsnorm_reference(kv_nope_unnormed, norm_weight, eps)``, in one launch.
+
+    ``norm_weight``: ``[R]`` bf16/fp16/fp32, contiguous; ``eps`` >= 0. The norm follows transformers
+    (see :func:`rmsnorm_reference`): fp32 mean of squares, rsqrt, rounding to the input dtype, multiply by
+    the weight in ``promote_types(weight, input)``, then the cast to ``kv_dtype``. It can differ from the
+    eager module in the last bit of the fp32 statistics (sum order), rarely visible after rounding.
+    Errors as :func:`mla_kv_write_triton`, plus ValueError for a negative eps.
+    """
+    _launch("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer,
+            layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype, block_t)
+
+
+# ---------------------------------------------------------------------------- declarations
+@torch.library.custom_op("unimem::mla_kv_write", mutates_args=("arena",))
+def mla_kv_write(
+    arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope: torch.Tensor, k_rope: torch.Tensor,
+    layer: int, layer_num: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype,
+) -> None:
+    """Write ``[kv_nope | k_rope]`` (``[T, R]``, ``[T, Dr]``) of layer ``layer`` at virtual locations
+    ``virt_loc`` (int64 ``[T]``) into the uint8 ``arena``, cast to ``kv_dtype``. See
+    :func:`mla_kv_write_triton` for every argument, the masking rules and the errors. The default
+    implementation is the plain-torch reference; CUDA tensors run the Triton kernel."""
+    _check_write("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, layer, layer_num, page_size,
+                 kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
+                           qk_rope_head_dim, kv_dtype)
+
+
+@mla_kv_write.register_kernel("cuda")
+def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+    mla_kv_write_triton(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
+                        qk_rope_head_dim, kv_dtype)
+
+
+@mla_kv_write.register_fake
+def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+    return None
+
+
+@torch.library.custom_op("unimem::mla_kv_write_rmsnorm", mutates_args=("arena",))
+def mla_kv_write_rmsnorm(
+    arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope_unnormed: torch.Tensor,
+    k_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float, layer: int, layer_num: int, page_size: int,
+    kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype,
+) -> None:
+    """:func:`mla_kv_write` of ``rmsnorm_reference(kv_nope_unnormed, norm_weight, eps)`` (the model's
+    ``kv_a_layernorm``), fused into the write. See :func:`mla_kv_write_rmsnorm_triton`."""
+    _check_write("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer,
+                 layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    mla_kv_write_reference(arena, v2p, virt_loc, rmsnorm_reference(kv_nope_unnormed, norm_weight, eps), k_rope,
+                           layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+
+
+@mla_kv_write_rmsnorm.register_kernel("cuda")
+def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
+      qk_rope_head_dim, kv_dtype):
+    mla_kv_write_rmsnorm_triton(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num,
+                                page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+
+
+@mla_kv_write_rmsnorm.register_fake
+def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
+      qk_rope_head_dim, kv_dtype):
+    return None
