@@ -4,12 +4,14 @@ top-level ``ops`` (each op would register twice).
 
 Modules: ``translate`` (id translation), ``mla_write`` (fused latent write), ``mla_gather`` (paged rows
 -> dense history), ``mla_decode`` (paged decode attention), ``state`` (slot gather/scatter), ``conv``
-(short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on slots).
+(short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for
+the Kimi-Linear adapter).
 """
 
-from . import conv, kda, mla_decode, mla_gather, mla_write, state, translate
+from . import conv, kda, kda_chunk, mla_decode, mla_gather, mla_write, state, translate
 from .conv import *  # noqa: F401,F403
 from .kda import *  # noqa: F401,F403
+from .kda_chunk import *  # noqa: F401,F403
 from .mla_decode import *  # noqa: F401,F403
 from .mla_gather import *  # noqa: F401,F403
 from .mla_write import *  # noqa: F401,F403

@@ -8,11 +8,16 @@ See DESIGN.md (architecture), README.md (usage) and benchmarks/RESULTS.md (measu
 """
 
 from . import errors
+from .compile import UnimemHandle, compile
 from .errors import GeometryError, InvalidFree, PoolExhausted, UnimemError, UnsupportedModel
+from .hf.cache import UnifiedCache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "compile",
+    "UnifiedCache",
+    "UnimemHandle",
     "GeometryError",
     "InvalidFree",
     "PoolExhausted",

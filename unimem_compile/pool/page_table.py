@@ -25,13 +25,21 @@ class PageTables:
         pool: the pool pages come from.
         max_batch_size: rows (B).
         max_pages_per_row: columns (P); a row holds at most ``P * page_size`` tokens.
+        out: optional ``(page_table int32 [B, P], kv_len int32 [B])`` device tensors to keep the tables in
+            (reset to empty here); by default the tables are allocated on the pool's device.
 
     Attributes:
         page_table: int32 ``[B, P]`` on the pool's device (-1 = no page).
         kv_len: int32 ``[B]`` on the pool's device: tokens stored per row.
     """
 
-    def __init__(self, pool: UnifiedPool, max_batch_size: int, max_pages_per_row: int):
+    def __init__(
+        self,
+        pool: UnifiedPool,
+        max_batch_size: int,
+        max_pages_per_row: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         if max_batch_size <= 0 or max_pages_per_row <= 0:
             raise GeometryError(
                 f"max_batch_size ({max_batch_size}) and max_pages_per_row ({max_pages_per_row}) must be positive"
@@ -42,9 +50,21 @@ class PageTables:
         self.max_pages_per_row = max_pages_per_row
         self._host_table = torch.full((max_batch_size, max_pages_per_row), -1, dtype=torch.int32)
         self._host_len = torch.zeros(max_batch_size, dtype=torch.int32)
-        on_cpu = pool.device.type == "cpu"
-        self.page_table = self._host_table if on_cpu else self._host_table.to(pool.device)
-        self.kv_len = self._host_len if on_cpu else self._host_len.to(pool.device)
+        if out is not None:
+            # caller-owned device tensors (kept at stable addresses across page tables, for CUDA graphs)
+            table, length = out
+            if table.shape != (max_batch_size, max_pages_per_row) or table.dtype != torch.int32:
+                raise GeometryError(f"out page_table must be int32 [{max_batch_size}, {max_pages_per_row}], "
+                                    f"got {table.dtype} {list(table.shape)}")
+            if length.shape != (max_batch_size,) or length.dtype != torch.int32:
+                raise GeometryError(f"out kv_len must be int32 [{max_batch_size}], got {length.dtype} {list(length.shape)}")
+            self.page_table, self.kv_len = table, length
+            self.page_table.copy_(self._host_table)
+            self.kv_len.copy_(self._host_len)
+        elif pool.device.type == "cpu":
+            self.page_table, self.kv_len = self._host_table, self._host_len
+        else:
+            self.page_table, self.kv_len = self._host_table.to(pool.device), self._host_len.to(pool.device)
         self.rows: list[list[int]] = [[] for _ in range(max_batch_size)]
         self.lengths = [0] * max_batch_size
 

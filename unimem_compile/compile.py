@@ -1,0 +1,253 @@
+"""``unimem_compile.compile``: give a Hugging Face model a unified pool and a compiled forward.
+
+    model = unimem_compile.compile(model, max_batch_size=8, max_seq_len=1024)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    print(model.unimem.stats())
+
+What it does to the model instance (the class is untouched):
+
+* ``model.forward`` becomes ``torch.compile(forward, backend=<the pass manager's wrapper backend>,
+  fullgraph=True)``, run with the family's kernel functions swapped for unimem-backed ones;
+* ``model.prepare_inputs_for_generation`` first prepares the step eagerly (allocation, locations) — it
+  runs before every forward and before transformers builds the attention mask;
+* ``model.generate`` creates a :class:`~unimem_compile.hf.cache.UnifiedCache` for the batch, passes it
+  with ``disable_compile=True`` (transformers must not compile ``__call__`` behind our back), and frees
+  its pages and slots when generation returns;
+* ``model.unimem`` is the :class:`UnimemHandle`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Collection
+
+import torch
+
+from .errors import GeometryError, UnsupportedModel
+from .hf.adapters import ModelAdapter, adapter_for
+from .hf.cache import StepBuffers, UnifiedCache
+from .pool import ArenaLayout, UnifiedPool
+
+__all__ = ["compile", "UnimemHandle"]
+
+
+class UnimemHandle:
+    """What ``unimem_compile.compile`` attaches to a model as ``model.unimem``.
+
+    Attributes:
+        pool: the :class:`~unimem_compile.pool.UnifiedPool` every generate() of this model draws from.
+        adapter: how the model's layers map onto the pool.
+        max_batch_size, max_seq_len: the limits given to ``compile``.
+        passes: the :class:`~unimem_compile.passes.PassManager` applied to this model's graphs.
+    """
+
+    def __init__(self, model, adapter: ModelAdapter, pool: UnifiedPool, max_batch_size: int, max_seq_len: int,
+                 passes):
+        self.adapter = adapter
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.passes = passes
+        self.max_pages_per_row = math.ceil(max_seq_len / pool.layout.page_size)
+        self._buffers: dict[int, StepBuffers] = {}
+        self._model_name = type(model).__name__
+
+    @property
+    def rewrites(self) -> dict[str, int]:
+        """``{rewrite name: replacements}`` summed over every graph compiled for this model."""
+        return dict(self.passes.counts)
+
+    def step_buffers(self, batch_size: int) -> StepBuffers:
+        """The step metadata tensors of ``batch_size`` rows (created once, then reused by every cache)."""
+        if batch_size not in self._buffers:
+            self._buffers[batch_size] = StepBuffers.allocate(batch_size, self.max_pages_per_row, self.pool.device)
+        return self._buffers[batch_size]
+
+    def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
+        """A fresh :class:`UnifiedCache` of ``batch_size`` rows (default ``max_batch_size``)."""
+        return UnifiedCache(self, self.max_batch_size if batch_size is None else batch_size)
+
+    def stats(self) -> dict:
+        """The ``pool`` statistics of DESIGN.md section 5 (bytes, pages, slots), plus the free gap."""
+        s = self.pool.stats()
+        return {
+            "total_bytes": s.total_bytes,
+            "kv_pages_peak": s.kv_pages_peak,
+            "state_slots_peak": s.state_slots_peak,
+            "kv_pages_used": s.kv_pages_used,
+            "state_slots_used": s.state_slots_used,
+            "overhead_fraction": s.overhead_fraction,
+            "page_bytes": s.page_bytes,
+            "slot_bytes": s.slot_bytes,
+            "free_gap_bytes": s.free_gap_bytes,
+        }
+
+    def __repr__(self) -> str:
+        return f"UnimemHandle({self._model_name}, {self.pool!r}, rewrites={self.rewrites})"
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise GeometryError("cannot tell the free memory of this machine: give memory_budget in bytes")
+
+
+def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size: int, max_seq_len: int,
+            device: torch.device) -> ArenaLayout:
+    kv, state = adapter.kv_spec, adapter.state_spec
+    row_pages = math.ceil(max_seq_len / page_size) if kv is not None else 0
+    one_row = ArenaLayout.for_capacity(kv, state, page_size, row_pages, 1 if state is not None else 0)
+    if memory_budget is None:
+        return ArenaLayout.for_capacity(
+            kv, state, page_size, row_pages * max_batch_size, max_batch_size if state is not None else 0
+        )
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise GeometryError(f"memory_budget must be bytes (int), a fraction in (0, 1] (float) or None, "
+                            f"got {memory_budget!r}")
+    if isinstance(memory_budget, float):
+        if not 0 < memory_budget <= 1:
+            raise GeometryError(f"a float memory_budget is a fraction of free memory in (0, 1], got {memory_budget}")
+        budget = int(_free_device_bytes(device) * memory_budget)
+    else:
+        budget = memory_budget
+    if budget < one_row.memory_budget:
+        raise GeometryError(
+            f"memory_budget of {budget} bytes cannot hold one request of max_seq_len={max_seq_len} tokens "
+            f"and its state: the minimum is {one_row.memory_budget} bytes"
+        )
+    return ArenaLayout(budget, page_size, kv, state)
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _max_total_length(model, args, kwargs, prompt_len: int) -> int | None:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is not None:
+        return prompt_len + int(new)
+    length = kwargs.get("max_length", getattr(config, "max_length", None))
+    return None if length is None else int(length)
+
+
+def compile(  # noqa: A001 - the public name of DESIGN.md section 5
+    model,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    memory_budget: int | float | None = None,
+    page_size: int = 64,
+    kv_dtype: torch.dtype | None = None,
+    passes: bool | Collection[str] = True,
+    backend: str = "inductor",
+    cudagraphs: bool = False,
+):
+    """Give ``model`` a unified memory pool and a compiled forward; returns the same model object.
+
+    Args:
+        model: a Hugging Face ``KimiLinearForCausalLM``, ``DeepseekV3ForCausalLM`` or
+            ``DeepseekV2ForCausalLM`` on one device.
+        max_batch_size: most rows one ``generate()`` call may have.
+        max_seq_len: most tokens a row may reach: prompt (pads included) + new tokens.
+        memory_budget: arena bytes (int); a fraction in (0, 1] of the device's free memory (float); or
+            None: ``max_batch_size`` full rows of ``max_seq_len`` tokens with their states, the sink and
+            the tail pad.
+        page_size: tokens per KV page.
+        kv_dtype: dtype of the cached latent rows (None: the model's dtype).
+        passes: True runs every rewrite, False none, or a collection of rewrite names
+            (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
+        backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
+        cudagraphs: Inductor's ``triton.cudagraphs`` (CUDA only; never ``torch.compile``'s ``mode=``).
+
+    Returns:
+        ``model``, with ``model.unimem`` (:class:`UnimemHandle`).
+
+    Raises:
+        UnsupportedModel: an unsupported family (the message lists the supported ones), parameters on more
+            than one device, or a model compiled already.
+        GeometryError: bad sizes, or a memory_budget too small for one request (the message gives the
+            minimum).
+    """
+    from unimem_compile.passes import make_pass_manager
+
+    if hasattr(model, "unimem"):
+        raise UnsupportedModel(f"{type(model).__name__} was compiled by unimem_compile already")
+    for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("page_size", page_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise GeometryError(f"{name} must be a positive int, got {value!r}")
+    adapter = adapter_for(model, kv_dtype)
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise UnsupportedModel(f"the model's parameters are spread over {sorted(map(str, devices))}; "
+                               "unimem_compile needs the whole model on one device")
+    device = devices.pop()
+    layout = _layout(adapter, memory_budget, page_size, max_batch_size, max_seq_len, device)
+    pool = UnifiedPool(layout, device)
+    torch._dynamo.mark_static_address(pool.arena)
+    for table in (pool.v2p, pool.p2v, pool.s_v2p, pool.s_p2v):
+        torch._dynamo.mark_static_address(table)
+    manager = make_pass_manager(passes)
+    handle = UnimemHandle(model, adapter, pool, max_batch_size, max_seq_len, manager)
+
+    compiled = torch.compile(model.forward, backend=manager.backend(backend, cudagraphs), fullgraph=True)
+
+    @functools.wraps(model.forward)
+    def forward(*args, **kwargs):
+        with adapter.patched():
+            return compiled(*args, **kwargs)
+
+    original_prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(original_prepare)
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, UnifiedCache):
+            if input_ids.device != pool.device:
+                raise UnsupportedModel(f"input_ids are on {input_ids.device} but the pool is on {pool.device}")
+            cache.prepare_step(input_ids, kwargs.get("attention_mask"))
+        return original_prepare(input_ids, *args, **kwargs)
+
+    original_generate = model.generate
+    cache_key = _cache_kwarg(model)
+
+    @functools.wraps(original_generate)
+    def generate(*args, **kwargs):
+        given = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        if given is not None and not isinstance(given, UnifiedCache):
+            raise UnsupportedModel(f"a model compiled by unimem_compile generates with a UnifiedCache, "
+                                   f"got {type(given).__name__}")
+        input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if input_ids is None:
+            raise UnsupportedModel("unimem_compile's generate() needs input_ids (inputs_embeds are not supported)")
+        if input_ids.device != pool.device:
+            raise UnsupportedModel(f"input_ids are on {input_ids.device} but the model and its pool are on "
+                                   f"{pool.device}")
+        batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
+        if batch > max_batch_size:
+            raise GeometryError(f"batch of {batch} rows is larger than max_batch_size={max_batch_size}")
+        total = _max_total_length(model, args, kwargs, prompt)
+        if total is not None and total > max_seq_len:
+            raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
+                                f"than max_seq_len={max_seq_len}")
+        cache = given if given is not None else handle.new_cache(batch)
+        kwargs[cache_key] = cache
+        kwargs.setdefault("disable_compile", True)
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            if given is None:
+                cache.release()
+
+    model.forward = forward
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    model.generate = generate
+    model.unimem = handle
+    return model

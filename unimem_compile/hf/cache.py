@@ -1,0 +1,454 @@
+"""UnifiedCache: a transformers ``Cache`` whose MLA rows and KDA states live in one unimem arena.
+
+One cache serves one ``generate()`` call of ``batch_size`` rows. Its layers are built on transformers' own
+layer bases (``CacheLayerMixin`` for MLA layers, ``LinearAttentionCacheLayerMixin`` for KDA layers) so the
+library's type checks (which layers size the mask, ``is_linear``) keep working, on transformers 5.17 and
+5.24 alike (notes/hf-cache.md).
+
+Everything that allocates or computes ids happens EAGERLY in :meth:`UnifiedCache.prepare_step`, which the
+wrapper of ``model.prepare_inputs_for_generation`` calls before every forward. The compiled forward sees
+only stable-shape tensors: the arena, the tables and the step metadata of :class:`StepBuffers`.
+
+Semantics (like transformers' StaticCache): history position ``j`` is logical position ``j``, left pads
+included; ``get_mask_sizes`` returns ``(max_seq_len, 0)``; ``get_seq_length`` returns the logical length
+before the current step as a 0-d tensor (a Python int would make Dynamo recompile every step). Left pads
+are never stored: their locations are -1, they are not counted in ``kv_len``, and ``mla_gather`` places a
+row's first token at its pad count (``out_offset``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from .. import ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
+from ..errors import GeometryError, UnsupportedModel
+from ..pool import PageTables, UnifiedPool
+from .adapters import ModelAdapter
+
+if TYPE_CHECKING:
+    from ..compile import UnimemHandle
+
+__all__ = ["UnifiedCache", "StepBuffers"]
+
+
+@dataclasses.dataclass
+class StepBuffers:
+    """Step metadata of one batch size, at addresses that stay fixed across steps and caches.
+
+    Attributes:
+        page_table: int32 ``[B, P]`` virtual pages per row (-1 = none).
+        kv_len: int32 ``[B]`` tokens stored per row, this step's included.
+        out_offset: int32 ``[B]`` left pads per row (where ``mla_gather`` puts a row's first token).
+        slot_ids: int64 ``[B]`` virtual state slot per row.
+        decode_loc: int64 ``[B, 1]`` virtual location of each row's token in a one-token step.
+        in_use: whether a live cache holds these buffers.
+    """
+
+    page_table: torch.Tensor
+    kv_len: torch.Tensor
+    out_offset: torch.Tensor
+    slot_ids: torch.Tensor
+    decode_loc: torch.Tensor
+    in_use: bool = False
+
+    @classmethod
+    def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
+        buffers = cls(
+            page_table=torch.full((batch_size, max_pages_per_row), -1, dtype=torch.int32, device=device),
+            kv_len=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            out_offset=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            slot_ids=torch.full((batch_size,), -1, dtype=torch.int64, device=device),
+            decode_loc=torch.full((batch_size, 1), -1, dtype=torch.int64, device=device),
+        )
+        for t in (buffers.page_table, buffers.kv_len, buffers.out_offset, buffers.slot_ids, buffers.decode_loc):
+            torch._dynamo.mark_static_address(t)
+        return buffers
+
+
+class _GatherOnRead:
+    """``layer.conv_states[0]`` / ``layer.recurrent_states[0]`` for transformers 5.17, which reads the
+    states directly from the layer instead of calling ``cache.get_conv_state``."""
+
+    def __init__(self, read):
+        self._read = read
+
+    def __getitem__(self, state_idx: int) -> torch.Tensor:
+        if state_idx != 0:
+            raise IndexError(f"a unimem KDA layer holds one state, asked for state {state_idx}")
+        return self._read()
+
+
+class MLACacheLayer(CacheLayerMixin):
+    """One MLA layer: latent rows ``[kv_nope | k_rot]`` in page envelope layer ``kv_layer``."""
+
+    is_compileable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache: UnifiedCache, kv_layer: int):
+        super().__init__()
+        self.cache = cache
+        self.kv_layer = kv_layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache._mla_update(self.kv_layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.max_seq_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.cache.seq_length
+
+    def get_max_length(self) -> int:
+        return self.cache.max_seq_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.cache.max_seq_len
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search (reorder_cache) is not supported by the unimem cache yet")
+
+    def __repr__(self) -> str:
+        return f"MLACacheLayer(kv_layer={self.kv_layer})"
+
+
+class KDACacheLayer(LinearAttentionCacheLayerMixin):
+    """One KDA layer: its conv and recurrent state sections in every row's slot (state layer ``state_layer``).
+
+    The mixin's ``__init__`` is not called: its ``conv_states`` / ``recurrent_states`` dicts become
+    read-through views of the arena here.
+    """
+
+    is_compileable = True
+    supports_early_init = False
+
+    def __init__(self, cache: UnifiedCache, state_layer: int):
+        self.cache = cache
+        self.state_layer = state_layer
+        spec = cache.pool.layout.state
+        self.conv_offset = spec.conv_offset(state_layer)
+        self.recurrent_offset = spec.recurrent_offset(state_layer)
+        self.conv_shape = list(spec.layers[state_layer].conv.shape)
+        self.conv_dtype = spec.layers[state_layer].conv.dtype
+        self.recurrent_shape = list(spec.layers[state_layer].recurrent.shape)
+        self.number_of_states = 1
+        self.is_conv_states_initialized = {0: True}
+        self.is_recurrent_states_initialized = {0: True}
+        # constant True: every slot is zeroed when allocated, and a zero state is "no history", so fresh
+        # and continuing rows share one code path (and Dynamo never guards on a flipping bool)
+        self.has_previous_state = {0: True}
+        self.conv_kernel_size = {0: self.conv_shape[-1]}
+        self.device = cache.pool.device
+        self.dtype = self.conv_dtype
+        self.record_past = False
+        # the gathered conv state handed out for a decode step: transformers' conv update writes into it
+        # in place, so it is scattered back in update_recurrent_state (which every KDA forward calls last)
+        self._conv_gathered: torch.Tensor | None = None
+
+    # ---- reads
+    def read_conv(self) -> torch.Tensor:
+        c = self.cache
+        self._conv_gathered = torch.ops.unimem.state_gather(
+            c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, self.conv_offset, c.pool.layout.slot_bytes,
+            self.conv_shape, self.conv_dtype,
+        )
+        return self._conv_gathered
+
+    def read_recurrent(self) -> torch.Tensor:
+        c = self.cache
+        return torch.ops.unimem.state_gather(
+            c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, self.recurrent_offset, c.pool.layout.slot_bytes,
+            self.recurrent_shape, torch.float32,
+        )
+
+    @property
+    def conv_states(self) -> _GatherOnRead:
+        return _GatherOnRead(self.read_conv)
+
+    @property
+    def recurrent_states(self) -> _GatherOnRead:
+        return _GatherOnRead(self.read_recurrent)
+
+    # ---- writes
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        return None
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Prefill: ``conv_states [B, C, S]`` are this step's raw columns. Returns the previous state
+        followed by them ``[B, C, K + S]`` (the conv's left context) and stores the last K columns."""
+        c = self.cache
+        previous = self._conv_gathered if self._conv_gathered is not None else self.read_conv()
+        full = torch.cat([previous, conv_states.to(previous.dtype)], dim=-1)
+        k = self.conv_shape[-1]
+        torch.ops.unimem.state_scatter(
+            c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, full[..., -k:].contiguous(), self.conv_offset,
+            c.pool.layout.slot_bytes,
+        )
+        self._conv_gathered = None
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        c = self.cache
+        slot_bytes = c.pool.layout.slot_bytes
+        torch.ops.unimem.state_scatter(
+            c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, recurrent_states.to(torch.float32).contiguous(),
+            self.recurrent_offset, slot_bytes,
+        )
+        if self._conv_gathered is not None:
+            torch.ops.unimem.state_scatter(
+                c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, self._conv_gathered, self.conv_offset, slot_bytes
+            )
+            self._conv_gathered = None
+        return recurrent_states
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search (reorder_cache) is not supported by the unimem cache yet")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop is not supported by the unimem cache")
+
+    def __repr__(self) -> str:
+        return f"KDACacheLayer(state_layer={self.state_layer})"
+
+
+class UnifiedCache(Cache):
+    """A transformers ``Cache`` over a unimem pool, for one batch of ``batch_size`` rows.
+
+    Create it with ``model.unimem.new_cache(batch_size)`` (``generate()`` does this for you). Pages and
+    slots are allocated step by step in :meth:`prepare_step` and returned by :meth:`release`.
+
+    Raises:
+        GeometryError: the batch is larger than ``max_batch_size``; a row would outgrow ``max_seq_len``;
+            right padding or padding in the middle of a row.
+        PoolExhausted: the pool cannot hold the step's pages or the batch's slots (nothing allocated).
+    """
+
+    def __init__(self, handle: UnimemHandle, batch_size: int):
+        if not 0 < batch_size <= handle.max_batch_size:
+            raise GeometryError(f"batch size {batch_size} is outside [1, max_batch_size={handle.max_batch_size}]")
+        self.handle = handle
+        self.pool: UnifiedPool = handle.pool
+        self.adapter: ModelAdapter = handle.adapter
+        self.num_rows = batch_size
+        self.max_seq_len = handle.max_seq_len
+        self.page_size = self.pool.layout.page_size
+        self.buffers = handle.step_buffers(batch_size)
+        if self.buffers.in_use:
+            raise UnsupportedModel(f"another live UnifiedCache of batch size {batch_size} uses this model's step "
+                                   "buffers; release it (or let its generate() return) first")
+        self.buffers.in_use = True
+        self.page_tables = None
+        if self.adapter.kv_spec is not None:
+            self.page_tables = PageTables(
+                self.pool, batch_size, self.buffers.page_table.shape[1],
+                out=(self.buffers.page_table, self.buffers.kv_len),
+            )
+        self.slots: list[int] = []
+        self.logical_len = 0
+        self.seq_length = torch.zeros((), dtype=torch.int64)  # logical length before the current step
+        self.write_loc = self.buffers.decode_loc
+        layers: list = [None] * self.adapter.num_layers
+        for kv_layer, i in enumerate(self.adapter.mla_layers):
+            layers[i] = MLACacheLayer(self, kv_layer)
+        for state_layer, i in enumerate(self.adapter.linear_layers):
+            layers[i] = KDACacheLayer(self, state_layer)
+        super().__init__(layers=layers)
+        self.released = False
+
+    # ------------------------------------------------------------------ eager step preparation
+    def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Allocate and lay out this step's tokens. Called eagerly before each forward.
+
+        Args:
+            input_ids: ``[B, total]``: every token so far (transformers' generate passes the whole
+                sequence; the last ``total - logical_len`` are new).
+            attention_mask: ``[B, total]`` 2-D padding mask or None (no padding).
+        """
+        if self.released:
+            raise UnsupportedModel("this UnifiedCache was released; create a new one with model.unimem.new_cache()")
+        batch, total = int(input_ids.shape[0]), int(input_ids.shape[1])
+        if batch != self.num_rows:
+            raise GeometryError(f"this cache holds {self.num_rows} rows, the step has {batch}")
+        new = total - self.logical_len
+        if new <= 0:
+            raise GeometryError(f"the step brings no new tokens: {total} tokens, {self.logical_len} already cached")
+        if total > self.max_seq_len:
+            raise GeometryError(
+                f"a row would reach {total} tokens (prompt + generated, pads included), more than "
+                f"max_seq_len={self.max_seq_len}; compile with a larger max_seq_len"
+            )
+        mask = None if attention_mask is None else attention_mask.detach().to("cpu", torch.bool)
+        if mask is not None and tuple(mask.shape) != (batch, total):
+            raise GeometryError(f"attention_mask has shape {list(mask.shape)}, input_ids {[batch, total]}")
+        if self.logical_len == 0:
+            pads = self._left_pads(mask, batch, total)
+            if self.adapter.state_spec is not None:
+                self.slots = self.pool.alloc_slots(batch)
+            if self.page_tables is not None:
+                try:
+                    self._write_locations(new, (total - pads).tolist())
+                except Exception:  # the step fails as a whole: give the slots back
+                    if self.slots:
+                        self.pool.free_slots(self.slots)
+                        self.slots = []
+                    raise
+            if self.slots:
+                self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
+            self.buffers.out_offset.copy_(pads.to(torch.int32))
+        else:
+            if mask is not None and not bool(mask[:, -new:].all()):
+                raise GeometryError("padding after the first step (right padding or mid-sequence pads) is not supported")
+            if self.page_tables is not None:
+                self._write_locations(new, [n + new for n in self.page_tables.lengths])
+        self.seq_length.fill_(self.logical_len)
+        self.logical_len = total
+
+    @staticmethod
+    def _left_pads(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor:
+        if mask is None:
+            return torch.zeros(batch, dtype=torch.int64)
+        pads = (~mask).sum(-1)
+        positions = torch.arange(total)
+        expected = positions[None, :] >= pads[:, None]
+        if not torch.equal(mask, expected):
+            raise GeometryError("only left padding is supported: a row's pad positions must all come first")
+        if bool((pads == total).any()):
+            raise GeometryError("a row of the batch consists of padding only")
+        return pads
+
+    def _write_locations(self, new: int, new_lengths: list[int]) -> None:
+        pt = self.page_tables
+        old = list(pt.lengths)
+        pt.grow(range(self.num_rows), new_lengths)
+        loc = torch.full((self.num_rows, new), -1, dtype=torch.int64)
+        for b in range(self.num_rows):
+            count = new_lengths[b] - old[b]
+            if count:
+                loc[b, new - count:] = pt.locations(b, old[b], count)
+        if new == 1:
+            self.buffers.decode_loc.copy_(loc)
+            self.write_loc = self.buffers.decode_loc
+        else:
+            self.write_loc = loc.to(self.pool.device)
+
+    # ------------------------------------------------------------------ traced: MLA read/write
+    def _mla_update(self, kv_layer: int, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+        pool, spec = self.pool, self.adapter.kv_spec
+        B, _, S, R = kv_nope.shape
+        Dr = k_rot.shape[-1]
+        geometry = (kv_layer, spec.layer_num, self.page_size, R, Dr, spec.dtype)
+        torch.ops.unimem.mla_kv_write(
+            pool.arena, pool.v2p, self.write_loc.reshape(-1), kv_nope.reshape(B * S, R), k_rot.reshape(B * S, Dr),
+            *geometry,
+        )
+        full = torch.ops.unimem.mla_gather(
+            pool.arena, pool.v2p, self.buffers.page_table, self.buffers.kv_len, self.buffers.out_offset,
+            self.max_seq_len, *geometry,
+        ).to(kv_nope.dtype)
+        return full[:, None, :, :R], full[:, None, :, R:]
+
+    # ------------------------------------------------------------------ the Cache API transformers calls
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def _kda(self, layer_idx: int) -> KDACacheLayer:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KDACacheLayer):
+            raise UnsupportedModel(f"layer {layer_idx} is not a linear-attention layer in this cache")
+        return layer
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._kda(layer_idx).read_conv()
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._kda(layer_idx).read_recurrent()
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._kda(layer_idx).update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._kda(layer_idx).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.seq_length
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.seq_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.max_seq_len, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_seq_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_seq_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_rows
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.num_rows
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.max_seq_len
+
+    def reset(self) -> None:
+        """Free every page and slot and start over empty (the cache stays usable)."""
+        self._free()
+        self.released = False
+        self.buffers.in_use = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search (reorder_cache) is not supported by the unimem cache yet")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("crop is not supported by the unimem cache")
+
+    # ------------------------------------------------------------------ release
+    def _free(self) -> None:
+        if self.page_tables is not None:
+            self.page_tables.release_all()
+        if self.slots:
+            self.pool.free_slots(self.slots)
+            self.slots = []
+            self.buffers.slot_ids.fill_(-1)
+        self.logical_len = 0
+        self.seq_length.fill_(0)
+        self.write_loc = self.buffers.decode_loc
+
+    def release(self) -> None:
+        """Return every page and slot to the pool; the cache cannot be used afterwards (idempotent)."""
+        if self.released:
+            return
+        self._free()
+        self.buffers.in_use = False
+        self.released = True
+
+    def __repr__(self) -> str:
+        return (f"UnifiedCache(batch_size={self.num_rows}, max_seq_len={self.max_seq_len}, "
+                f"logical_len={self.logical_len}, slots={self.slots})")
