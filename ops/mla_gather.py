@@ -131,7 +131,8 @@ def mla_gather_triton(
         out_offset: int32 ``[B]``, position of each row's first token (its number of left pads).
         max_len: positions per row of the result.
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G.
-        block_n: output positions per program (a power of two); default 16 (rows past ~8 KiB: fewer).
+        block_n: output positions per program (a power of two); default 16 (fewer when a kv_nope row
+            exceeds 1 KiB, e.g. 8 for fp32 at R = 512).
 
     Returns:
         a new contiguous ``kv_dtype`` tensor ``[B, max_len, R + Dr]`` (aliases nothing): token ``i`` of row

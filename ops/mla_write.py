@@ -172,8 +172,8 @@ def _mla_kv_write_kernel(
 
 
 def _block_t(t: int) -> int:
-    # decode-sized calls (T <= 256) get one token per program so every SM has work; large prefills get
-    # up to 8 tokens (~9 KiB of bf16 per program at R + Dr = 576), keeping >= 256 programs in flight
+    # one token per program below T = 512 (decode: as many programs as tokens), then 2, 4 and from
+    # T = 2048 on 8 tokens (~9 KiB of bf16 per program at R + Dr = 576): always >= 256 programs in flight
     return 1 << min(3, max(0, (t // 256).bit_length() - 1))
 
 
