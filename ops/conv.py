@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import check_same_device, check_slot_geometry, check_tensor
-from .state import check_slot_ids, gather_sections, scatter_sections
+from .state import check_slot_ids, gather_sections, scatter_sections, typed_arena
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_update_triton", "causal_conv1d_step", "ACTIVATIONS"]
 
@@ -54,7 +54,7 @@ def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
 # ---------------------------------------------------------------------------- Triton kernel
 @triton.jit
 def _conv_update_kernel(x_ptr, stride_xb, arena_ptr, s_v2p_ptr, slot_ptr, w_ptr, bias_ptr, out_ptr,
-                        num_slots, slot_bytes, conv_offset, C, K: tl.constexpr,
+                        num_slots, slot_elems, offset_elems, C, K: tl.constexpr,
                         BC: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     # program (lane, channel block) owns BC channels x all K taps of one lane: it reads the state's last
     # K-1 columns and x, writes the shifted state back and computes its BC outputs; blocks never overlap
@@ -66,8 +66,8 @@ def _conv_update_kernel(x_ptr, stride_xb, arena_ptr, s_v2p_ptr, slot_ptr, w_ptr,
     ok = (sid >= 0) & (sid < num_slots)
     phys = tl.load(s_v2p_ptr + tl.where(ok, sid, 0), mask=ok, other=-1)  # masked before indexing the table
     ok = ok & (phys > 0)
-    base = tl.multiple_of(tl.where(ok, phys, 0) * slot_bytes + conv_offset, 16)
-    state_ptr = (arena_ptr + base).to(tl.pointer_type(x_ptr.dtype.element_ty))  # the conv state is stored in x's dtype
+    # arena_ptr is the arena typed as x's dtype, the conv state's dtype; offsets are in elements
+    state_ptr = arena_ptr + (tl.where(ok, phys, 0) * slot_elems + offset_elems)
     # a masked lane sees zero channels of state (a scalar `ok` in a vector mask is mis-typed by the interpreter)
     live_c = rc < tl.where(ok, C, 0)
     cell = rc[:, None].to(tl.int64) * K + tap[None, :]
@@ -125,9 +125,10 @@ def causal_conv1d_update_triton(x: torch.Tensor, arena: torch.Tensor, s_v2p: tor
         return out
     block_c = min(128, triton.next_power_of_2(c))
     grid = (b, triton.cdiv(c, block_c))
+    isz = x.element_size()
     _conv_update_kernel[grid](
-        x, x.stride(0), arena, s_v2p, slot_ids, weight, weight if bias is None else bias, out,
-        s_v2p.numel(), slot_bytes, conv_offset, c, K=kernel, BC=block_c, BK=triton.next_power_of_2(kernel),
+        x, x.stride(0), typed_arena(arena, x.dtype), s_v2p, slot_ids, weight, weight if bias is None else bias, out,
+        s_v2p.numel(), slot_bytes // isz, conv_offset // isz, c, K=kernel, BC=block_c, BK=triton.next_power_of_2(kernel),
         HAS_BIAS=bias is not None, SILU=activation is not None,
     )
     return out

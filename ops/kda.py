@@ -37,6 +37,7 @@ from .state import (
     scatter_sections,
     state_gather_triton,
     state_scatter_triton,
+    typed_arena,
 )
 
 __all__ = [
@@ -148,7 +149,7 @@ def _check_common(op, q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, sl
 @triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, arena_ptr, s_v2p_ptr, slot_ptr,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sg_h, sb_b, sb_h,
-                       num_slots, slot_bytes, state_offset, scale,
+                       num_slots, slot_elems, offset_elems, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        L2NORM: tl.constexpr):
     # program (lane, head, V block) owns the [K, BV] fp32 tile of one head's state: each V column evolves
@@ -165,9 +166,13 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, arena_ptr,
     ok = ok & (phys > 0)
     # a masked lane sees zero rows of state (a scalar `ok` in a vector mask is mis-typed by the interpreter)
     live_k = rk < tl.where(ok, K, 0)
-    base = tl.multiple_of(tl.where(ok, phys, 0) * slot_bytes + state_offset, 16)
-    tile = (arena_ptr + base).to(tl.pointer_type(tl.float32)) + h * (K * V) + rk[:, None] * V + rv[None, :]
+    # arena_ptr is the arena typed as fp32: offsets in elements, 16-byte aligned (the slot geometry checks)
+    base = tl.multiple_of(tl.where(ok, phys, 0) * slot_elems + offset_elems, 4)
+    tile = arena_ptr + base + h * (K * V) + rk[:, None] * V + rv[None, :]
     tile_mask = live_k[:, None] & in_v[None, :]
+    # the state load goes first so its latency overlaps the small loads and the l2norm reductions (source
+    # order is issue order across their barriers)
+    s = tl.load(tile, mask=tile_mask, other=0, eviction_policy="evict_first")
 
     q = tl.load(q_ptr + lane * sq_b + h * sq_h + rk, mask=in_k, other=0).to(tl.float32)
     k = tl.load(k_ptr + lane * sk_b + h * sk_h + rk, mask=in_k, other=0).to(tl.float32)
@@ -179,7 +184,6 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, arena_ptr,
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     q = q * scale
 
-    s = tl.load(tile, mask=tile_mask, other=0, eviction_policy="evict_first")
     s = s * tl.exp(g)[:, None]
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
@@ -216,8 +220,8 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     bv = min(block_v, triton.next_power_of_2(dv))
     grid = (b, h, triton.cdiv(dv, bv))
     _kda_decode_kernel[grid](
-        q, k, v, g, beta, out, arena, s_v2p, slot_ids, sqb, sqh, skb, skh, svb, svh, sgb, sgh, sbb, sbh,
-        s_v2p.numel(), slot_bytes, state_offset, float(scale),
+        q, k, v, g, beta, out, typed_arena(arena, torch.float32), s_v2p, slot_ids,
+        sqb, sqh, skb, skh, svb, svh, sgb, sgh, sbb, sbh, s_v2p.numel(), slot_bytes // 4, state_offset // 4, float(scale),
         H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=num_warps,
     )
     return out

@@ -33,6 +33,7 @@ __all__ = [
     "gather_sections",
     "scatter_sections",
     "live_lanes",
+    "typed_arena",
     "check_slot_ids",
 ]
 
@@ -78,7 +79,7 @@ def _section_view(arena: torch.Tensor, num_slots: int, byte_offset: int, slot_by
                   shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``[num_slots, *shape]`` view of ``dtype`` over the arena; row ``p`` is physical slot ``p``'s section."""
     isz = torch.empty((), dtype=dtype).element_size()
-    typed = arena[: arena.numel() // isz * isz].view(dtype)
+    typed = typed_arena(arena, dtype)
     inner = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         inner[i] = inner[i + 1] * int(shape[i + 1])
@@ -105,9 +106,17 @@ def scatter_sections(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.T
 
 
 # ---------------------------------------------------------------------------- Triton kernel
+def typed_arena(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uint8 arena seen as ``dtype`` elements (a view at the same address; a trailing partial element is
+    left out). Kernels take this view, so every offset is in elements and its 16-byte alignment is visible
+    to Triton's vectorisation."""
+    isz = torch.empty((), dtype=dtype).element_size()
+    return arena[: arena.numel() // isz * isz].view(dtype)
+
+
 @triton.jit
-def _section_copy_kernel(arena_ptr, s_v2p_ptr, slot_ptr, buf_ptr, num_slots, slot_bytes, byte_offset, n_words,
-                         WORD_BYTES: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr):
+def _section_copy_kernel(words_ptr, s_v2p_ptr, slot_ptr, buf_ptr, num_slots, slot_words, offset_words, n_words,
+                         ALIGN_WORDS: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr):
     # program (lane, block) copies BLOCK words of one lane's section; the section is moved as 4/2/1-byte
     # words whatever its dtype, so the copy is bit-exact (and bf16 never meets interpreter arithmetic)
     lane = tl.program_id(0).to(tl.int64)
@@ -119,19 +128,13 @@ def _section_copy_kernel(arena_ptr, s_v2p_ptr, slot_ptr, buf_ptr, num_slots, slo
     ok = ok & (phys > 0)
     # a masked lane's row is cut to zero words (the interpreter mis-types `vector & scalar` bool masks)
     live = offs < tl.where(ok, n_words, 0)
-    base = tl.multiple_of(tl.where(ok, phys, 0) * slot_bytes + byte_offset, 16)
-    if WORD_BYTES == 4:
-        sec = (arena_ptr + base).to(tl.pointer_type(tl.int32))
-    elif WORD_BYTES == 2:
-        sec = (arena_ptr + base).to(tl.pointer_type(tl.int16))
-    else:
-        sec = arena_ptr + base
+    base = tl.multiple_of(tl.where(ok, phys, 0) * slot_words + offset_words, ALIGN_WORDS)
     buf = buf_ptr + lane * n_words + offs
     if SCATTER:
         val = tl.load(buf, mask=live)
-        tl.store(sec + offs, val, mask=live)
+        tl.store(words_ptr + base + offs, val, mask=live)
     else:
-        val = tl.load(sec + offs, mask=live, other=0)
+        val = tl.load(words_ptr + base + offs, mask=live, other=0)
         tl.store(buf, val, mask=in_row)
 
 
@@ -146,10 +149,12 @@ def _launch_copy(arena, s_v2p, slot_ids, words: torch.Tensor, byte_offset: int, 
     b, n_words = words.shape
     if b == 0:
         return
+    wb = words.element_size()
     block = min(4096, triton.next_power_of_2(n_words))
     grid = (b, triton.cdiv(n_words, block))
-    _section_copy_kernel[grid](arena, s_v2p, slot_ids, words, s_v2p.numel(), slot_bytes, byte_offset, n_words,
-                               WORD_BYTES=words.element_size(), BLOCK=block, SCATTER=scatter)
+    _section_copy_kernel[grid](typed_arena(arena, words.dtype), s_v2p, slot_ids, words, s_v2p.numel(),
+                               slot_bytes // wb, byte_offset // wb, n_words,
+                               ALIGN_WORDS=16 // wb, BLOCK=block, SCATTER=scatter)
 
 
 def _check_gather(op, arena, s_v2p, slot_ids, byte_offset, slot_bytes, shape, dtype) -> int:
