@@ -1,14 +1,17 @@
 """Test-process setup. Triton decides interpreter vs compiled when a kernel module is imported, so the
-interpreter is switched on here, before anything imports unimem_compile (DESIGN.md section 4)."""
+interpreter is switched on here (on machines without CUDA), before anything imports unimem_compile
+(DESIGN.md section 4)."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+
+# On a CPU machine every Triton kernel runs in the interpreter; on a GPU machine (tests/gpu) they compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

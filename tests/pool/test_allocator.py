@@ -267,3 +267,16 @@ def test_page_tables_reject_rows_longer_than_the_table():
     with pytest.raises(GeometryError, match="would hold 9 tokens, more than max_pages_per_row=2 x page_size=4 = 8"):
         pt.grow([1], [9])
     assert pool.allocator.pages_used == 0
+
+
+def test_python_writes_never_touch_the_sink_even_on_virtual_page_zero():
+    ps = 4
+    pool = make_pool(ps=ps)
+    pages = pool.alloc_pages(2)
+    pool.free_pages([pages[1]])
+    sink = pool.layout.sink_floor
+    locs = torch.tensor([0 * ps + 3, 0 * ps + 1, -1, pages[1] * ps + 2, pages[0] * ps + 1])
+    rows = torch.randn(5, 48, generator=torch.Generator().manual_seed(5))
+    pool.write_kv(1, locs, rows)
+    assert int(pool.arena[:sink].count_nonzero()) == 0
+    assert torch.equal(pool.read_kv(1, locs[-1:]), rows[-1:])

@@ -308,8 +308,12 @@ class UnifiedPool:
         store = lay.kv.store_dtype
         if rows.dtype != lay.kv.dtype and not (store == torch.uint8 and rows.dtype == torch.uint8):
             raise GeometryError(f"rows must be {lay.kv.dtype}, got {rows.dtype}")
-        dense = self.dense_rows(virt_loc.reshape(-1))
-        keep = dense > 0
+        loc = virt_loc.reshape(-1).to(self.device, torch.int64)
+        dense = self.dense_rows(loc)
+        # the sink is never written: not by -1 lanes, tombstones, nor a location on virtual page 0 (whose
+        # dense id can be > 0 at an offset > 0 while its physical page is the sink)
+        vpage = torch.where(loc >= 0, loc, 0) // lay.page_size
+        keep = (loc >= 0) & (self.v2p[vpage.clamp(max=lay.num_pages - 1)] > 0) & (vpage < lay.num_pages)
         view = self.kv_views()[layer][:, 0]
         view[dense[keep]] = rows.to(self.device).view(store)[keep]
 
