@@ -207,7 +207,8 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
     q, k, v, g and beta may be strided views (e.g. heads split out of one projection) as long as their last
     dimension has stride 1 (otherwise they are copied). ``block_v`` (a power of two) and ``num_warps`` are
-    tuning knobs for the benchmark; the defaults are the ones measured on an H200.
+    tuning knobs: the defaults are flash-linear-attention's for the same kernel shape, and
+    ``benchmarks/bench_kda.py --sweep`` times the others.
     """
     _, h, dk, dv = _check_common("kda_decode", q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset,
                                  slot_bytes, lead=1)

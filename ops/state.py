@@ -183,9 +183,10 @@ def state_gather_triton(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torc
     """Triton launcher of :func:`state_gather` (one program per lane and 4096-word block)."""
     nbytes = _check_gather("state_gather", arena, s_v2p, slot_ids, byte_offset, slot_bytes, shape, dtype)
     wb = _word_bytes(nbytes)
-    words = torch.empty(slot_ids.shape[0], nbytes // wb, dtype=_WORD_DTYPES[wb], device=arena.device)
+    out = torch.empty((slot_ids.shape[0], *map(int, shape)), dtype=dtype, device=arena.device)
+    words = out.view(out.shape[0], math.prod(out.shape[1:])).view(torch.uint8).view(_WORD_DTYPES[wb])
     _launch_copy(arena, s_v2p, slot_ids, words, byte_offset, slot_bytes, scatter=False)
-    return words.view(torch.uint8).view(dtype).view(slot_ids.shape[0], *map(int, shape))
+    return out
 
 
 def state_scatter_triton(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, value: torch.Tensor,
@@ -193,7 +194,8 @@ def state_scatter_triton(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: tor
     """Triton launcher of :func:`state_scatter` (one program per lane and 4096-word block)."""
     nbytes = _check_scatter("state_scatter", arena, s_v2p, slot_ids, value, byte_offset, slot_bytes)
     wb = _word_bytes(nbytes)
-    words = value.contiguous().view(value.shape[0], -1).view(torch.uint8).view(_WORD_DTYPES[wb])
+    flat = value.contiguous().view(value.shape[0], math.prod(value.shape[1:]))
+    words = flat.view(torch.uint8).view(_WORD_DTYPES[wb])
     _launch_copy(arena, s_v2p, slot_ids, words, byte_offset, slot_bytes, scatter=True)
 
 

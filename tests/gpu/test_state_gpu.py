@@ -145,10 +145,12 @@ def test_prefill_then_decode_matches_the_recurrence(pool, use_fla):
             for t in range(prompt, prompt + steps)]
     live = _live_mask(pool, lanes)
     got = torch.cat([head, torch.stack(tail, 1)], 1)
-    tol = dict(atol=3e-2, rtol=3e-2) if use_fla else dict(atol=2e-2, rtol=2e-2)  # fla's chunks run in bf16
-    torch.testing.assert_close(got[live].float(), want_o[live].float(), **tol)
+    # fla's chunk kernels run their matmuls on bf16 operands; a misplaced state would be off by O(1)
+    tol_o = dict(atol=5e-2, rtol=5e-2) if use_fla else dict(atol=2e-2, rtol=2e-2)
+    tol_s = dict(atol=5e-2, rtol=5e-2) if use_fla else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got[live].float(), want_o[live].float(), **tol_o)
     got_s = st.gather_sections(arena, pool.s_v2p, lanes, off, spec.slot_bytes, [H, D, D], torch.float32)
-    torch.testing.assert_close(got_s[live], want_s[live], atol=2e-2 if use_fla else 1e-3, rtol=2e-2 if use_fla else 1e-3)
+    torch.testing.assert_close(got_s[live], want_s[live], **tol_s)
 
 
 def test_decode_and_conv_compile_with_inductor(pool):
