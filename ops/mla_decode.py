@@ -9,7 +9,7 @@ columns; the result stays in the latent space (the caller applies W_UV).
 
 Algorithm: flash decoding (Dao et al., "Flash-Decoding for long-context inference", 2023) on the paged
 layout, as FlashMLA and the Triton MLA decode kernels of serving engines do it. Stage 1: program
-``(row, split, head group)`` walks its split's tokens in tiles of ``BLOCK_N``, all of the group's heads
+``(head group, row, split)`` walks its split's tokens in tiles of ``BLOCK_N``, all of the group's heads
 sharing each loaded tile (``tl.dot [H, D] x [D, BLOCK_N]``), with an fp32 online softmax; it writes a
 normalised partial output and its log-sum-exp. Stage 2 merges the splits of each (row, head). The split
 count is a function of static sizes only (batch, page-table width, heads and the device's SM count), so
@@ -32,7 +32,7 @@ from .common import KERNEL_KV_DTYPES, check_mla_geometry, check_same_device, che
 __all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits"]
 
 #: Resident stage-1 blocks per SM that the default split count fills (one wave): measured on an H200
-#: with BLOCK_N 64, 4 warps (see benchmarks/RESULTS.md).
+#: with BLOCK_N 64, 4 warps, 2 stages (benchmarks/results/mla_decode_2026-11-29.json).
 BLOCKS_PER_SM = 2
 #: Heads per program: 32 x R fp32 accumulators are what 4 warps hold in registers.
 MAX_BLOCK_H = 32
@@ -66,7 +66,7 @@ def mla_decode_reference(
     ppage = v2p[vpage.clamp(0, v2p.numel() - 1)]
     ok = ok & (ppage >= 0)
     rows = torch.where(ok, ppage * (ps * layer_num) + layer * ps + t % ps, 0)
-    row_bytes = D * torch.empty((), dtype=kv_dtype).element_size()
+    row_bytes = D * kv_dtype.itemsize
     typed = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)
     kv = torch.where(ok[..., None], typed[rows].float(), 0.0)  # [B, n, D]; where() drops NaN bytes
     q = torch.cat([q_nope, q_rope], dim=-1).float()
@@ -79,12 +79,12 @@ def mla_decode_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _split_bounds(kv_len_ptr, b, s, max_tokens, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N: tl.constexpr):
     # every split of a row gets the same number of whole tiles; the last used one may be shorter
     n = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), max_tokens)
-    split_len = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
-    return n, split_len, start, tl.minimum(start + split_len, n)
+    return n, split_len, start, tl.maximum(tl.minimum(start + split_len, n), start)  # unused split: end = start
 
 
 @triton.jit
@@ -110,37 +110,45 @@ def _tile_rows(pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.const
 @triton.jit
 def _mla_decode_split_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    qk_scale, num_pages, max_tokens, layer_rows, H,
+    qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
     stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
     R: tl.constexpr, DR: tl.constexpr, PS: tl.constexpr, L: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PAGE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_HALF: tl.constexpr, BLOCK_DR: tl.constexpr,
+    SPLIT: tl.constexpr, PAGE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # program (row b, split s, head group g): tokens [start, end) of row b for heads g*BLOCK_H + [0, BLOCK_H)
-    b = tl.program_id(0)
-    s = tl.program_id(1)
-    g = tl.program_id(2)
+    # program (head group g, row b, split s): tokens [start, end) of row b for heads g*BLOCK_H + [0, BLOCK_H).
+    # The latent columns go as two halves (queries, tile loads, accumulators), so the first half's score
+    # product can start while the second half is still arriving: whole [BLOCK_N, R] tiles measured
+    # 3.2 TB/s against 3.3-3.5 at batch 256, context 4k on an H200 (separate runs:
+    # benchmarks/results/mla_decode_2026-11-29.json).
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2)
     D: tl.constexpr = R + DR
-    n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, max_tokens, NUM_SPLITS, BLOCK_N)
+    n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_n = tl.arange(0, BLOCK_N)
+    c0 = tl.arange(0, R_HALF)
+    c1 = R_HALF + c0
+    cr = tl.arange(0, BLOCK_DR)
     h_ok = offs_h < H
-    r_ok = offs_r < R
-    dr_ok = offs_dr < DR
+    c0_ok = c0 < R
+    c1_ok = c1 < R
+    cr_ok = cr < DR
     kv_ty = kv_ptr.dtype.element_ty
     # padded heads load zero queries: finite scores, outputs never stored
-    q_nope = tl.load(q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
-                     mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(kv_ty)
-    q_rope = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_dr[None, :],
-                     mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(kv_ty)
+    qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
+    q0 = tl.load(qn_row + c0[None, :], mask=h_ok[:, None] & c0_ok[None, :], other=0.0).to(kv_ty)
+    q1 = tl.load(qn_row + c1[None, :], mask=h_ok[:, None] & c1_ok[None, :], other=0.0).to(kv_ty)
+    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
+                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(kv_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
-    offs_n = tl.arange(0, BLOCK_N)
     # the next tile's page lookup is issued one iteration ahead, so its two dependent table loads overlap
     # the current tile's KV load instead of stalling in front of it
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
@@ -150,45 +158,54 @@ def _mla_decode_split_kernel(
                                PAGE_TILE)
         t_ok = (t0 + offs_n) < end
         if PAGE_TILE:
-            row_off = rows * D + offs_n * D
+            row_off = rows * D + offs_n * D  # one page: a contiguous run of BLOCK_N rows
         else:
             row_off = rows * D
-        kv_nope = tl.load(kv_ptr + row_off[:, None] + offs_r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        kv_rope = tl.load(kv_ptr + row_off[:, None] + R + offs_dr[None, :], mask=t_ok[:, None] & dr_ok[None, :],
-                          other=0.0)
-        qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores
+        base = kv_ptr + row_off[:, None]
+        k0 = tl.load(base + c0[None, :], mask=t_ok[:, None] & c0_ok[None, :], other=0.0)
+        k1 = tl.load(base + c1[None, :], mask=t_ok[:, None] & c1_ok[None, :], other=0.0)
+        kr = tl.load(base + R + cr[None, :], mask=t_ok[:, None] & cr_ok[None, :], other=0.0)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
+        qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_ty), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        pk = p.to(kv_ty)
+        acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
+        acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
-    o = acc / l_safe[:, None]
-    hr_ok = h_ok[:, None] & r_ok[None, :]
-    if NUM_SPLITS == 1:
-        out_off = (b.to(tl.int64) * H + offs_h[:, None]) * R + offs_r[None, :]
-        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hr_ok)
-    else:
+    o0 = acc0 / l_safe[:, None]
+    o1 = acc1 / l_safe[:, None]
+    ok0 = h_ok[:, None] & c0_ok[None, :]
+    ok1 = h_ok[:, None] & c1_ok[None, :]
+    if SPLIT:
         # an unused split (start >= end) stores nothing: the merge reads only the splits holding tokens
         if start < end:
-            slot = (b.to(tl.int64) * NUM_SPLITS + s) * H + offs_h
-            tl.store(part_o_ptr + slot[:, None] * R + offs_r[None, :], o.to(part_o_ptr.dtype.element_ty), mask=hr_ok)
+            slot = (b.to(tl.int64) * num_splits + s) * H + offs_h
+            dst = part_o_ptr + slot[:, None] * R
+            tl.store(dst + c0[None, :], o0.to(part_o_ptr.dtype.element_ty), mask=ok0)
+            tl.store(dst + c1[None, :], o1.to(part_o_ptr.dtype.element_ty), mask=ok1)
             tl.store(part_lse_ptr + slot, m_i + tl.log2(l_safe), mask=h_ok)
+    else:
+        dst = out_ptr + (b.to(tl.int64) * H + offs_h[:, None]) * R
+        tl.store(dst + c0[None, :], o0.to(out_ptr.dtype.element_ty), mask=ok0)
+        tl.store(dst + c1[None, :], o1.to(out_ptr.dtype.element_ty), mask=ok1)
 
 
 @triton.jit
 def _mla_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H, num_splits,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # program (row b, head h): log-sum-exp merge of the used splits' normalised partial outputs
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n, split_len, _start, _end = _split_bounds(kv_len_ptr, b, 0, max_tokens, NUM_SPLITS, BLOCK_N)
+    n, split_len, _start, _end = _split_bounds(kv_len_ptr, b, 0, num_splits, max_tokens, BLOCK_N)
     used = tl.cdiv(n, tl.maximum(split_len, 1))
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
@@ -196,7 +213,7 @@ def _mla_decode_merge_kernel(
     den = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, used):
-        slot = (b.to(tl.int64) * NUM_SPLITS + s) * H + h
+        slot = (b.to(tl.int64) * num_splits + s) * H + h
         lse = tl.load(part_lse_ptr + slot)
         o = tl.load(part_o_ptr + slot * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
         m_new = tl.maximum(m, lse)
@@ -263,17 +280,21 @@ def _check_live_pages(op: str, v2p: torch.Tensor, page_table: torch.Tensor, kv_l
 def mla_decode_triton(
     q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
     kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int = 64,
-    block_h: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    partial_dtype: torch.dtype = torch.float32,
+    qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int | None = None,
+    block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
     Args: as :func:`mla_decode`, plus keyword-only tuning knobs for tests and benchmarks:
         num_splits: splits per row (default :func:`mla_decode_num_splits`, from static sizes only).
-        block_n: tokens per tile (a power of two >= 16); block_h: heads per program (power of two >= 16,
-            default ``min(32, next_pow2(H))``); num_warps, num_stages: Triton launch options;
-        partial_dtype: dtype of the per-split partial outputs in the scratch buffer (fp32 by default).
+        block_n, num_stages: tokens per tile (a power of two >= 16) and pipeline depth; default 64 and 2
+            when the page size is a multiple of 64 (a tile is one page run), else 32 and 3 (per-token page
+            lookups), the fastest measured on an H200 at page sizes 64 and 1;
+        block_h: heads per program (power of two >= 16, default ``min(32, next_pow2(H))``);
+        num_warps: Triton launch option;
+        partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (default
+            fp32; 16-bit partials measured slower on an H200). The log-sum-exps are always fp32.
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -291,6 +312,8 @@ def mla_decode_triton(
         _check_live_pages(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
+    if block_n is None:
+        block_n = 64 if page_size % 64 == 0 else 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{op}: block_n must be a power of two >= 16, got {block_n}")
     block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
@@ -307,28 +330,32 @@ def mla_decode_triton(
         q_rope = q_rope.contiguous()
     page_table = page_table.contiguous()
     kv_len = kv_len.contiguous()
-    row_bytes = (kv_lora_rank + qk_rope_head_dim) * torch.empty((), dtype=kv_dtype).element_size()
-    kv = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype)
+    D = kv_lora_rank + qk_rope_head_dim
+    row_bytes = D * kv_dtype.itemsize
+    n_rows = arena.numel() // row_bytes
+    kv = arena[: n_rows * row_bytes].view(kv_dtype)
     if splits > 1:
-        part_o = torch.empty((B, splits, H, R), dtype=partial_dtype, device=q_nope.device)
+        part_o = torch.empty((B, splits, H, R), dtype=partial_dtype or torch.float32, device=q_nope.device)
         part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
     else:
         part_o = part_lse = out  # unused by the kernel when there is one split
-    block_r = triton.next_power_of_2(R)
-    _mla_decode_split_kernel[(B, splits, triton.cdiv(H, block_h))](
+    page_tile = page_size % block_n == 0
+    if num_stages is None:
+        num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
+    _mla_decode_split_kernel[(triton.cdiv(H, block_h), B, splits)](
         q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out,
-        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H,
+        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
         R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(qk_rope_head_dim),
-        NUM_SPLITS=splits, PAGE_TILE=page_size % block_n == 0,
-        DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
+        BLOCK_H=block_h, BLOCK_N=block_n, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
+        BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
+        SPLIT=splits > 1, PAGE_TILE=page_tile, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_decode_merge_kernel[(B, H)](
-            part_o, part_lse, kv_len, out, P * page_size, H,
-            R=R, BLOCK_R=block_r, NUM_SPLITS=splits, BLOCK_N=block_n, num_warps=4,
+            part_o, part_lse, kv_len, out, P * page_size, H, splits,
+            R=R, BLOCK_R=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
         )
     return out
 

@@ -1,0 +1,228 @@
+"""Paged MLA decode: effective bandwidth of unimem::mla_decode against the measured HBM read ceiling, and
+side by side with plain-torch absorbed attention and the transformers way, in one run.
+
+Bytes are counted as FlashMLA does (../shared/PERF.md): sum of context lengths x 576 x 2 (the latent
+rows of one layer) + batch x heads x (576 + 512) x 2 (queries in, outputs out). Geometry: Kimi-Linear MLA
+(32 heads, kv_lora_rank 512, rope 64, 7 layers in a page envelope), page size 64, bf16; every row holds
+the full context on pages scattered at random over the arena. Times are `triton.testing.do_bench`
+medians (L2 flushed between runs) of a CUDA-graph replay of the call, i.e. GPU time without the Python
+launch cost (how a compiled model with cudagraphs runs it); the eager time per call (launcher and
+dispatch included, what an uncaptured model pays) is reported beside it.
+
+usage: python benchmarks/bench_mla_decode.py [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import platform
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+md = importlib.import_module("unimem_compile.ops.mla_decode")
+
+H, R, DR, L, LAYER = 32, 512, 64, 7, 3
+D = R + DR
+DN = DV = 128  # Kimi-Linear qk_nope_head_dim / v_head_dim (the transformers way expands into these)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # grid-stride read of n int32 words; the per-program sum is stored so the loads cannot be dropped
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    acc = tl.zeros([BLOCK], tl.int32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def read_ceiling_tbs(gib: float = 4.0) -> float:
+    """HBM read bandwidth (TB/s) of a Triton grid-stride read over ``gib`` GiB of random words."""
+    n = int(gib * 2**30) // 4
+    x = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = sms * 8
+    out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    ms = triton.testing.do_bench(lambda: _read_kernel[(grid,)](x, out, n, BLOCK=4096, num_warps=8), warmup=50,
+                                 rep=300)
+    del x
+    return n * 4 / ms / 1e9
+
+
+def effective_bytes(batch: int, context: int) -> int:
+    return batch * context * D * 2 + batch * H * (D + R) * 2
+
+
+class Setup:
+    """An arena holding ``max_tokens`` tokens of a 7-layer page envelope, random bf16 rows (never zeros),
+    and a random permutation of physical pages behind the virtual ones (page 0 is the sink)."""
+
+    def __init__(self, max_tokens: int, page_size: int = 64, seed: int = 0):
+        self.ps = page_size
+        n_pages = max_tokens // page_size + 1
+        page_bytes = page_size * L * D * 2
+        self.arena = torch.zeros((n_pages + 1) * page_bytes, dtype=torch.uint8, device="cuda")  # + tail pad
+        typed = self.arena.view(torch.bfloat16)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        chunk = 2**28
+        for i in range(page_bytes // 2, typed.numel(), chunk):  # the sink page stays zero
+            typed[i: i + chunk].normal_(generator=g)
+        self.v2p = torch.full((n_pages,), -1, dtype=torch.int64, device="cuda")
+        self.v2p[1:] = torch.randperm(n_pages - 1, device="cuda", generator=g) + 1
+        self.g = g
+
+    def inputs(self, batch: int, context: int):
+        pages = context // self.ps
+        page_table = (torch.arange(batch * pages, device="cuda", dtype=torch.int32) + 1).view(batch, pages)
+        kv_len = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q_nope = torch.randn(batch, H, R, device="cuda", generator=self.g).to(torch.bfloat16)
+        q_rope = torch.randn(batch, H, DR, device="cuda", generator=self.g).to(torch.bfloat16)
+        return q_nope, q_rope, page_table, kv_len
+
+    def args(self, q_nope, q_rope, page_table, kv_len, sm_scale):
+        return (q_nope, q_rope, self.arena, self.v2p, page_table, kv_len, sm_scale, LAYER, L, self.ps, R, DR,
+                torch.bfloat16)
+
+    def gather(self, page_table, context):
+        """Dense ``[B, context, D]`` bf16 latent rows of LAYER (all rows are full in this benchmark)."""
+        ps = self.ps
+        t = torch.arange(context, device="cuda")
+        rows = self.v2p[page_table.long()[:, t // ps]] * (ps * L) + LAYER * ps + t % ps
+        return self.arena.view(torch.bfloat16).view(-1, D)[rows]
+
+
+def torch_absorbed(setup: Setup, q_nope, q_rope, page_table, context, sm_scale):
+    """Plain torch, absorbed form: gather the latent rows, bf16 matmuls, fp32 softmax."""
+    kv = setup.gather(page_table, context)
+    q = torch.cat([q_nope, q_rope], -1)
+    scores = torch.matmul(q, kv.transpose(1, 2)).float() * sm_scale
+    probs = torch.softmax(scores, -1).to(kv.dtype)
+    return torch.matmul(probs, kv[..., :R])
+
+
+def transformers_way(setup: Setup, q_full, w_kv_b, page_table, context):
+    """What transformers' Kimi-Linear MLA does at decode: expand the latent cache through kv_b_proj into
+    per-head K = [k_nope | k_rot] and V, then SDPA with scale (dn + dr)^-0.5."""
+    kv = setup.gather(page_table, context)
+    B, n, _ = kv.shape
+    kv_nope = torch.nn.functional.linear(kv[..., :R], w_kv_b).view(B, n, H, DN + DV).transpose(1, 2)
+    k_nope, v = kv_nope.split([DN, DV], -1)
+    key = torch.cat([k_nope, kv[:, None, :, R:].expand(B, H, n, DR)], -1)
+    return torch.nn.functional.scaled_dot_product_attention(q_full, key, v, scale=(DN + DR) ** -0.5)
+
+
+def bench(fn) -> float:
+    """Median ms of ``fn`` called eagerly (launch cost included when it exceeds the GPU time)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def bench_graph(fn) -> float:
+    """Median ms of a CUDA-graph replay of ``fn`` (GPU time; L2 flushed before each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100)
+    del graph
+    return ms
+
+
+def cpu_us_per_call(fn, n: int = 200) -> float:
+    """Host time per call, enqueue only (no sync inside the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="a few points only")
+    ap.add_argument("--max-tokens", type=int, default=4 * 2**20, help="skip points with more tokens in total")
+    args = ap.parse_args()
+    batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
+    contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]
+    points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
+
+    ceiling = read_ceiling_tbs()
+    setup = Setup(max(b * c for b, c in points))
+    sm_scale = (DN + DR) ** -0.5
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "conditions": f"bf16, {H} heads, R {R} + Dr {DR}, {L}-layer page envelope, page size {setup.ps}, "
+                      "full rows on randomly permuted pages, do_bench median (L2 flushed)",
+        "defaults": {"block_n": 64, "num_warps": 4, "num_stages": 2, "blocks_per_sm": md.BLOCKS_PER_SM},
+        "read_ceiling_tbs": ceiling,
+        "points": [],
+    }
+    print(f"HBM read ceiling: {ceiling:.2f} TB/s")
+    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8}")
+    for batch, context in points:
+        q_nope, q_rope, page_table, kv_len = setup.inputs(batch, context)
+        a = setup.args(q_nope, q_rope, page_table, kv_len, sm_scale)
+        ms = bench_graph(lambda: torch.ops.unimem.mla_decode(*a))
+        eager_ms = bench(lambda: torch.ops.unimem.mla_decode(*a))
+        tbs = effective_bytes(batch, context) / ms / 1e9
+        splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device)
+        result["points"].append({"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
+                                 "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms})
+        print(f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "
+              f"{eager_ms * 1e3:>8.1f}")
+    result["host_us_per_call"] = {
+        "op": cpu_us_per_call(lambda: torch.ops.unimem.mla_decode(*a)),
+        "launcher": cpu_us_per_call(lambda: md.mla_decode_triton(*a)),
+    }
+    print("host time per call (us):", {k: round(v, 1) for k, v in result["host_us_per_call"].items()})
+
+    # side by side at batch 32, context 4k
+    batch, context = 32, 4096
+    q_nope, q_rope, page_table, kv_len = setup.inputs(batch, context)
+    a = setup.args(q_nope, q_rope, page_table, kv_len, sm_scale)
+    q_full = torch.randn(batch, H, 1, DN + DR, device="cuda", generator=setup.g).to(torch.bfloat16)
+    w_kv_b = (torch.randn(H * (DN + DV), R, device="cuda", generator=setup.g) / math.sqrt(R)).to(torch.bfloat16)
+    nbytes = effective_bytes(batch, context)
+    ours = torch.ops.unimem.mla_decode(*a).float()
+    theirs = torch_absorbed(setup, q_nope, q_rope, page_table, context, sm_scale).float()
+    result["max_abs_diff_vs_torch_absorbed"] = float((ours - theirs).abs().max())
+    print(f"max |unimem - torch absorbed| at batch 32, context 4k: {result['max_abs_diff_vs_torch_absorbed']:.2e}")
+    side = {}
+    for name, fn in (
+        ("unimem_mla_decode", lambda: torch.ops.unimem.mla_decode(*a)),
+        ("torch_absorbed", lambda: torch_absorbed(setup, q_nope, q_rope, page_table, context, sm_scale)),
+        ("transformers_expand_sdpa", lambda: transformers_way(setup, q_full, w_kv_b, page_table, context)),
+    ):
+        ms = bench_graph(fn)
+        side[name] = {"ms": ms, "tbs": nbytes / ms / 1e9, "eager_ms": bench(fn)}
+    for name, v in side.items():
+        v["speedup_of_unimem"] = v["ms"] / side["unimem_mla_decode"]["ms"]
+        print(f"batch 32, context 4k: {name:<26} {v['ms'] * 1e3:>9.1f} us {v['tbs']:>6.3f} TB/s "
+              f"(eager {v['eager_ms'] * 1e3:.1f} us; unimem is {v['speedup_of_unimem']:.1f}x faster)")
+    result["side_by_side_b32_c4096"] = side
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
