@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import math
 import platform
@@ -26,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-md = importlib.import_module("unimem_compile.ops.mla_decode")
+from unimem_compile.ops import mla_decode as md
 
 H, R, DR, L, LAYER = 32, 512, 64, 7, 3
 D = R + DR

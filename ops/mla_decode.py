@@ -29,7 +29,9 @@ from unimem_compile.errors import GeometryError
 
 from .common import KERNEL_KV_DTYPES, check_mla_geometry, check_same_device, check_tensor, debug_checks
 
-__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits"]
+# The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
+# exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
+__all__ = ["mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits"]
 
 #: Resident stage-1 blocks per SM that the default split count fills (one wave): measured on an H200
 #: with BLOCK_N 64, 4 warps, 2 stages (benchmarks/results/mla_decode_2026-11-29.json).

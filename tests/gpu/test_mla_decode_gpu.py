@@ -2,7 +2,6 @@
 parity with the fp32 reference, with transformers' own attention (expand through kv_b_proj + SDPA) after
 absorbing W_UK / W_UV, and a CUDA-graph replay that follows a growing context."""
 
-import importlib
 import math
 
 import pytest
@@ -11,9 +10,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from unimem_compile.ops import mla_decode as md  # noqa: E402
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool  # noqa: E402
 
-md = importlib.import_module("unimem_compile.ops.mla_decode")
 
 pytestmark = pytest.mark.gpu
 H, R, DR, L = 32, 512, 64, 7

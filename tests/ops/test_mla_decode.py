@@ -1,16 +1,15 @@
 """unimem::mla_decode: the reference and the Triton kernel (interpreter) against an independent dense
 softmax computed in float64 from the rows the test wrote, over the pool's real page tables."""
 
-import importlib
 import math
 
 import pytest
 import torch
 
 from unimem_compile.errors import GeometryError
+from unimem_compile.ops import mla_decode as md
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool
 
-md = importlib.import_module("unimem_compile.ops.mla_decode")  # the package attribute is the op itself
 
 L, R, DR, H = 3, 32, 16, 4
 LAYER = 1
