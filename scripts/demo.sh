@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-"${UNIMEM_VENV:-.venv}/bin/unimem-compile" pool-info "$@"
+"${UNIMEM_VENV:-.venv}/bin/unimem-compile" demo "$@"

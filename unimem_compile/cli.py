@@ -38,11 +38,46 @@ def _pool_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .demo import format_report, run_demo
+
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("unimem-compile demo: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    result = run_demo(args.model, args.device, dtype, new_tokens=args.new_tokens, backend=args.backend,
+                      page_size=args.page_size, passes=not args.no_passes, cudagraphs=args.cudagraphs)
+    texts = result.pop("_texts")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        result["_texts"] = texts
+        print(format_report(result))
+    return 0 if result["parity"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .pool import GEOMETRIES
 
     parser = argparse.ArgumentParser(prog="unimem-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from .hf.models import MODEL_PRESETS
+
+    d = sub.add_parser("demo", help="stock transformers generate vs compiled unified-pool generate, side by side")
+    d.add_argument("--model", default="kimi-linear-tiny", choices=list(MODEL_PRESETS))
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    d.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: fp32 on the CPU, bf16 on CUDA")
+    d.add_argument("--new-tokens", type=int, default=24)
+    d.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
+    d.add_argument("--page-size", type=int, default=16)
+    d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
+    d.add_argument("--cudagraphs", action="store_true", help="Inductor CUDA graphs (CUDA only)")
+    d.add_argument("--json", action="store_true", help="print one JSON object (DESIGN.md section 5 keys)")
+    d.set_defaults(func=_demo)
 
     p = sub.add_parser("pool-info", help="size an arena for a model geometry (no memory is allocated)")
     p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES))

@@ -124,6 +124,26 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
     return ArenaLayout(budget, page_size, kv, state)
 
 
+#: Graphs one compiled model may accumulate (prefill lengths and batch sizes before Dynamo marks them
+#: dynamic, with and without a padding mask); torch's default of 8 is counted per code object.
+RECOMPILE_LIMIT = 32
+_COMPILED: list[str] = []
+
+
+def _own_entry(fn, tag: int):
+    """A trampoline calling ``fn`` with a code object of its own. Dynamo keeps its compiled-graph cache and
+    recompile count per top-level code object, and every transformers model's ``forward`` is the same
+    decorator ``wrapper`` code: without this, all compiled models of a process would share one cache
+    (checking each other's guards on every call) and one recompile budget."""
+
+    def entry(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace(co_name=f"unimem_forward_{tag}")
+    entry.__name__ = entry.__qualname__ = entry.__code__.co_name
+    return entry
+
+
 def _cache_kwarg(model) -> str:
     params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -197,11 +217,13 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
     manager = make_pass_manager(passes)
     handle = UnimemHandle(model, adapter, pool, max_batch_size, max_seq_len, manager)
 
-    compiled = torch.compile(model.forward, backend=manager.backend(backend, cudagraphs), fullgraph=True)
+    compiled = torch.compile(_own_entry(model.forward, len(_COMPILED)), backend=manager.backend(backend, cudagraphs),
+                             fullgraph=True)
+    _COMPILED.append(type(model).__name__)
 
     @functools.wraps(model.forward)
     def forward(*args, **kwargs):
-        with adapter.patched():
+        with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
     original_prepare = model.prepare_inputs_for_generation

@@ -1,0 +1,207 @@
+"""The main job: stock transformers generate vs unimem-compile's compiled generate, side by side.
+
+``unimem-compile demo`` builds a small model from a config with random weights (no downloads), encodes a
+handful of English prompts with a byte-level tokenizer, and runs
+
+1. stock transformers ``generate()`` (eager, its default cache): the reference tokens and speed;
+2. ``unimem_compile.compile(model, ...)`` then ``generate()`` twice (the first call compiles);
+
+then reports parity (fp32: greedy tokens identical; bf16: teacher-forced logits within a tolerance), warm
+decode tokens/s of both, compile time, the pool's statistics, the rewrites made, and the achieved
+bandwidth (bytes one decode step must move / its time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["PROMPTS", "ByteTokenizer", "run_demo", "teacher_forced_logits", "decode_step_bytes"]
+
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog while",
+    "Memory is the bottleneck of long-context serving because",
+    "In a hybrid model, linear attention layers keep a fixed state",
+    "Once upon a time, in a small village by the sea,",
+)
+
+#: tolerance of the bf16 teacher-forced logit comparison (absolute; notes/passes.md: ~1.5 bf16 ulp)
+BF16_LOGIT_TOLERANCE = 2e-2
+
+
+class ByteTokenizer:
+    """Bytes -> ids ``byte + 3`` (0 = pad, 1 = bos, 2 = eos)."""
+
+    offset = 3
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def encode_batch(self, texts, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ``(input_ids [B, T], attention_mask [B, T])`` with a bos token per row."""
+        rows = [[self.bos_token_id] + [b + self.offset for b in t.encode("utf-8")] for t in texts]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return ids.to(device), mask.to(device)
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``; special tokens are dropped, and ids that are no printable ASCII byte show as '·'."""
+        chars = []
+        for i in ids:
+            i = int(i)
+            if i in (self.pad_token_id, self.bos_token_id, self.eos_token_id):
+                continue
+            b = i - self.offset
+            chars.append(chr(b) if 32 <= b < 127 else "·")
+        return "".join(chars)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_generate(model, ids, mask, new_tokens: int, device) -> tuple[torch.Tensor, float]:
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False)
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def decode_step_bytes(model, adapter, batch: int, context: float) -> int:
+    """Bytes one decode step must move at the least: every weight once (all experts, an upper bound for
+    MoE), each row's cached latent rows (``context`` tokens x L x D x itemsize), and each row's state read
+    and written once."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = int(batch * context * adapter.kv_spec.token_bytes) if adapter.kv_spec is not None else 0
+    state = 2 * batch * adapter.state_spec.raw_bytes if adapter.state_spec is not None else 0
+    return weights + kv + state
+
+
+class _ForceTokens:
+    """A logits processor that makes generate() pick the given tokens (teacher forcing)."""
+
+    def __init__(self, continuation: torch.Tensor, prompt_len: int):
+        self.continuation, self.prompt_len = continuation, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        target = self.continuation[:, input_ids.shape[1] - self.prompt_len]
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, target[:, None], 0.0)
+
+
+def teacher_forced_logits(model, ids, mask, continuation) -> torch.Tensor:
+    """Raw logits ``[B, N, vocab]`` (fp32) ``model`` produces at each of ``N`` generate() steps when it is
+    made to pick the given ``continuation [B, N]`` (teacher forcing through the normal generate path)."""
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=continuation.shape[1], min_new_tokens=continuation.shape[1],
+            do_sample=False, logits_processor=[_ForceTokens(continuation, ids.shape[1])], output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return torch.stack([step.float() for step in out.logits], 1)
+
+
+def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: torch.dtype | None = None,
+             new_tokens: int = 24, backend: str = "inductor", page_size: int = 16, passes=True,
+             cudagraphs: bool = False, log=print) -> dict:
+    """Run the side-by-side comparison and return the ``demo --json`` object (DESIGN.md section 5)."""
+    import transformers
+
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    dev = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    tok = ByteTokenizer()
+    model = build_model(model_name, dtype=dtype, device=dev)
+    ids, mask = tok.encode_batch(PROMPTS, dev)
+    batch, prompt = ids.shape
+
+    # 1. stock transformers, eager, default cache (warm-up call first, then timed)
+    _timed_generate(model, ids, mask, 2, dev)
+    ref_out, ref_t = _timed_generate(model, ids, mask, new_tokens, dev)
+    _, ref_prefill_t = _timed_generate(model, ids, mask, 1, dev)
+    ref_logits = teacher_forced_logits(model, ids, mask, ref_out[:, prompt:]) if dtype != torch.float32 else None
+
+    # 2. unimem-compile
+    max_seq_len = prompt + new_tokens
+    unimem_compile.compile(model, max_batch_size=batch, max_seq_len=max_seq_len, page_size=page_size,
+                           backend=backend, passes=passes, cudagraphs=cudagraphs)
+    first_out, first_t = _timed_generate(model, ids, mask, new_tokens, dev)
+    _, first_prefill_t = _timed_generate(model, ids, mask, 1, dev)  # compiles nothing new after this
+    out, warm_t = _timed_generate(model, ids, mask, new_tokens, dev)
+    _, prefill_t = _timed_generate(model, ids, mask, 1, dev)
+
+    tokens_identical = bool(torch.equal(out, ref_out) and torch.equal(first_out, ref_out))
+    if dtype == torch.float32:
+        criterion, tolerance, max_diff = "tokens", 0.0, None
+        parity = tokens_identical
+    else:
+        got = teacher_forced_logits(model, ids, mask, ref_out[:, prompt:])
+        max_diff = float((got - ref_logits).abs().max())
+        criterion, tolerance = "logits", BF16_LOGIT_TOLERANCE
+        parity = max_diff <= tolerance
+
+    decode_tokens = batch * (new_tokens - 1)
+    decode_t = max(warm_t - prefill_t, 1e-9)
+    ref_decode_t = max(ref_t - ref_prefill_t, 1e-9)
+    mean_context = prompt + new_tokens / 2
+    step_bytes = decode_step_bytes(model, model.unimem.adapter, batch, mean_context)
+    result = {
+        "model": model_name,
+        "device": str(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "parity": bool(parity),
+        "parity_detail": {
+            "criterion": criterion,
+            "tokens_identical": tokens_identical,
+            "max_abs_logit_diff": max_diff,
+            "tolerance": tolerance,
+        },
+        "tokens_per_s": decode_tokens / decode_t,
+        "reference_tokens_per_s": decode_tokens / ref_decode_t,
+        "compile_s": max(0.0, (first_t + first_prefill_t) - (warm_t + prefill_t)),
+        "achieved_bandwidth_gbs": step_bytes / (decode_t / (new_tokens - 1)) / 1e9,
+        "pool": {k: v for k, v in model.unimem.stats().items() if k in (
+            "total_bytes", "kv_pages_peak", "state_slots_peak", "kv_pages_used", "state_slots_used",
+            "overhead_fraction")},
+        "rewrites": model.unimem.rewrites,
+    }
+    texts = [(tok.decode(ids[i][mask[i].bool()]), tok.decode(out[i, prompt:])) for i in range(batch)]
+    result["_texts"] = texts
+    return result
+
+
+def format_report(r: dict) -> str:
+    """Human-readable report of :func:`run_demo`'s result."""
+    lines = [f"model {r['model']} on {r['device']} ({r['dtype']}), torch {r['torch']}, "
+             f"transformers {r['transformers']}", ""]
+    for prompt, cont in r.get("_texts", []):
+        lines.append(f"  {prompt!r} -> {cont!r}")
+    lines.append("  (random weights: the continuations are noise; what matters is that both generations agree)")
+    d = r["parity_detail"]
+    lines += [
+        "",
+        f"parity              {'OK' if r['parity'] else 'FAILED'} ({d['criterion']}: tokens identical = "
+        f"{d['tokens_identical']}" + (f", max |logit diff| = {d['max_abs_logit_diff']:.3g} <= {d['tolerance']}"
+                                       if d["criterion"] == "logits" else "") + ")",
+        f"decode tokens/s     unimem-compile {r['tokens_per_s']:.1f}   stock transformers "
+        f"{r['reference_tokens_per_s']:.1f}   ({r['tokens_per_s'] / r['reference_tokens_per_s']:.2f}x)",
+        f"compile time        {r['compile_s']:.1f} s (first generate minus a warm one)",
+        f"achieved bandwidth  {r['achieved_bandwidth_gbs']:.2f} GB/s (weights + KV + states per decode step)",
+        f"pool                {r['pool']['total_bytes']:,} bytes, peak {r['pool']['kv_pages_peak']} pages + "
+        f"{r['pool']['state_slots_peak']} slots, now {r['pool']['kv_pages_used']} pages + "
+        f"{r['pool']['state_slots_used']} slots, overhead {r['pool']['overhead_fraction']:.2%}",
+        f"rewrites            {r['rewrites']}",
+    ]
+    return "\n".join(lines)
+
