@@ -77,8 +77,49 @@ def _check_dtype(owner: str, field: str, value: object, allowed: frozenset[torch
         raise GeometryError(f"{owner}.{field} must be one of {names}; got {value!r}")
 
 
+class _KVByteMath:
+    """Byte math shared by the KV specs; subclasses define ``dtype``, ``layer_num`` and ``kv_cache_dim``."""
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """dtype of the arena's rows (uint8 for fp8 formats)."""
+        return store_dtype_of(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored element."""
+        return dtype_itemsize(self.store_dtype)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one row (one token in one layer)."""
+        return self.kv_cache_dim * self.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies over all layers."""
+        return self.layer_num * self.entry_bytes
+
+    @property
+    def kernel_page_multiplier(self) -> int:
+        """Rows per token slot of a page envelope: L (DESIGN.md section 3, the dense id formula)."""
+        return self.layer_num
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page envelope: ``page_size * layer_num * kv_cache_dim * itemsize``."""
+        _check_positive_int(type(self).__name__, "page_size", page_size)
+        return page_size * self.token_bytes
+
+    def _check_row_alignment(self) -> None:
+        if self.entry_bytes % ALIGN:
+            raise GeometryError(
+                f"{type(self).__name__}: a row of kv_cache_dim={self.kv_cache_dim} x {self.itemsize} bytes = "
+                f"{self.entry_bytes} bytes is not a multiple of {ALIGN}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
-class MLASpec:
+class MLASpec(_KVByteMath):
     """Latent KV of multi-head latent attention: one row of ``kv_cache_dim`` values per token per layer.
 
     Args:
@@ -101,50 +142,16 @@ class MLASpec:
         for field in ("layer_num", "kv_lora_rank", "qk_rope_head_dim"):
             _check_positive_int("MLASpec", field, getattr(self, field))
         _check_dtype("MLASpec", "dtype", self.dtype, _KV_DTYPES)
-        if self.entry_bytes % ALIGN:
-            raise GeometryError(
-                f"MLASpec: a row of kv_cache_dim={self.kv_cache_dim} x {self.itemsize} bytes = "
-                f"{self.entry_bytes} bytes is not a multiple of {ALIGN}"
-            )
-
-    @property
-    def store_dtype(self) -> torch.dtype:
-        """dtype of the arena's rows (uint8 for fp8 formats)."""
-        return store_dtype_of(self.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per stored element."""
-        return dtype_itemsize(self.store_dtype)
+        self._check_row_alignment()
 
     @property
     def kv_cache_dim(self) -> int:
         """D = kv_lora_rank + qk_rope_head_dim, elements per row."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @property
-    def entry_bytes(self) -> int:
-        """Bytes of one row (one token in one layer)."""
-        return self.kv_cache_dim * self.itemsize
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes one token occupies over all layers."""
-        return self.layer_num * self.entry_bytes
-
-    @property
-    def kernel_page_multiplier(self) -> int:
-        """Rows per token slot of a page envelope: L (DESIGN.md section 3, the dense id formula)."""
-        return self.layer_num
-
-    def page_bytes(self, page_size: int) -> int:
-        """Bytes of one page envelope: ``page_size * layer_num * kv_cache_dim * itemsize``."""
-        _check_positive_int("MLASpec", "page_size", page_size)
-        return page_size * self.token_bytes
-
 
 @dataclasses.dataclass(frozen=True)
-class MHASpec:
+class MHASpec(_KVByteMath):
     """Per-head K and V of classic multi-head / grouped-query attention (byte math only).
 
     Args:
@@ -170,19 +177,7 @@ class MHASpec:
         if self.v_head_dim is not None:
             _check_positive_int("MHASpec", "v_head_dim", self.v_head_dim)
         _check_dtype("MHASpec", "dtype", self.dtype, _KV_DTYPES)
-        if self.entry_bytes % ALIGN:
-            raise GeometryError(
-                f"MHASpec: a row of {self.kv_cache_dim} elements x {self.itemsize} bytes = "
-                f"{self.entry_bytes} bytes is not a multiple of {ALIGN}"
-            )
-
-    @property
-    def store_dtype(self) -> torch.dtype:
-        return store_dtype_of(self.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_itemsize(self.store_dtype)
+        self._check_row_alignment()
 
     @property
     def k_dim(self) -> int:
@@ -198,22 +193,6 @@ class MHASpec:
     def kv_cache_dim(self) -> int:
         """Elements per row: K then V of every head."""
         return self.k_dim + self.v_dim
-
-    @property
-    def entry_bytes(self) -> int:
-        return self.kv_cache_dim * self.itemsize
-
-    @property
-    def token_bytes(self) -> int:
-        return self.layer_num * self.entry_bytes
-
-    @property
-    def kernel_page_multiplier(self) -> int:
-        return self.layer_num
-
-    def page_bytes(self, page_size: int) -> int:
-        _check_positive_int("MHASpec", "page_size", page_size)
-        return page_size * self.token_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,12 +193,7 @@ class UnifiedPool:
 
     def free_pages(self, virtual_pages: Iterable[int]) -> None:
         """Free virtual pages (they become tombstones). Raises InvalidFree with nothing freed."""
-        ids = [int(v) for v in virtual_pages]
-        phys = [int(self.allocator.kv.v2p[v]) if 0 < v < self.layout.num_pages else -1 for v in ids]
-        self.allocator.free("kv", ids)
-        if self.poison and phys:
-            self._page_rows()[torch.tensor(phys, device=self.device)] = POISON_BYTE
-        self.sync_tables()
+        self._free("kv", virtual_pages)
 
     # ------------------------------------------------------------------ slots
     def alloc_slots(self, n: int, in_flight_pages: Iterable[int] = (), in_flight_slots: Iterable[int] = ()) -> list[int]:
@@ -215,11 +210,16 @@ class UnifiedPool:
 
     def free_slots(self, virtual_slots: Iterable[int]) -> None:
         """Free virtual slots (they become tombstones). Raises InvalidFree with nothing freed."""
-        ids = [int(v) for v in virtual_slots]
-        phys = [int(self.allocator.state.v2p[v]) if 0 < v < self.layout.num_slots else -1 for v in ids]
-        self.allocator.free("state", ids)
+        self._free("state", virtual_slots)
+
+    def _free(self, side: str, virtual_ids: Iterable[int]) -> None:
+        ids = [int(v) for v in virtual_ids]
+        table = self.allocator.kv.v2p if side == "kv" else self.allocator.state.v2p
+        phys = [int(table[v]) for v in ids if 0 < v < len(table)]
+        self.allocator.free(side, ids)  # validates everything first: raises with nothing freed
         if self.poison and phys:
-            self._slot_rows()[torch.tensor(phys, device=self.device)] = POISON_BYTE
+            rows = self._page_rows() if side == "kv" else self._slot_rows()
+            rows[torch.tensor(phys, device=self.device)] = POISON_BYTE
         self.sync_tables()
 
     def _alloc(self, side: str, n: int, in_flight_pages: Iterable[int], in_flight_slots: Iterable[int]) -> list[int]:
