@@ -16,7 +16,10 @@ __all__ = ["REWRITE_NAMES", "PassManager", "dump_dir", "make_pass_manager", "all
 
 def all_rewrites() -> list:
     """One instance of every rewrite that exists, in the order they run."""
-    return []
+    from .conv_state_inplace import ConvStateInplace
+    from .kda_state_inplace import KDAStateInplace
+
+    return [KDAStateInplace(), ConvStateInplace()]
 
 
 def make_pass_manager(passes: bool | Collection[str] = True) -> PassManager:
