@@ -5,59 +5,100 @@
 unambiguous anchors) and then to the inner backend. This works for every inner backend (``aot_eager``
 silently ignores passes given through ``options=``) and runs before any compile-cache lookup on torch
 2.11 and 2.13 alike, so the per-rewrite counts are honest with a warm cache (DESIGN.md sections 5, 7).
+The manager belongs to one model (``unimem_compile.compile`` makes one per call): its rewrites touch
+that model's graphs and recompiles only.
 
-A rewrite is an object with a ``name`` and ``__call__(gm) -> int`` (replacements made); one that does not
-match leaves the graph unchanged and logs one line saying why.
+The same manager is also an Inductor ``CustomGraphPass`` for users of plain ``torch.compile``::
+
+    torch.compile(model, options={"pre_grad_custom_pass": make_pass_manager()})
+
+Inductor then keys its cache on :meth:`PassManager.uuid`. On torch 2.13 Inductor runs such a pass after
+its cache lookup (``pre_grad_pass_timing`` "late"), so on a warm cache the graph comes back rewritten
+but the counts stay 0; add ``"pre_grad_pass_timing": "early"`` to the options there for honest counts.
+
+A rewrite is an object with a ``name`` and ``__call__(graph) -> int`` (replacements made), usually a
+:class:`~unimem_compile.passes.common.Rewrite`; one that does not match leaves the graph unchanged and
+logs one line saying why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
+import itertools
 import logging
 import os
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["REWRITE_NAMES", "PassManager", "dump_dir"]
+from . import common
+
+__all__ = ["REWRITE_NAMES", "DUMP_ENV", "PassManager", "GraphRecord", "dump_dir"]
 
 log = logging.getLogger("unimem_compile.passes")
 
 #: FROZEN rewrite names, in the order they run.
 REWRITE_NAMES = ("mla_write_fusion", "mla_absorb", "kda_state_inplace", "conv_state_inplace")
 
+#: Environment variable naming the folder where every graph is written before and after the rewrites.
+DUMP_ENV = "UNIMEM_DUMP_GRAPHS"
+
+# numbers dumped graphs across every manager of the process, so two models never overwrite each other
+_dump_serial = itertools.count(1)
+
 
 def dump_dir() -> Path | None:
     """Folder given by ``UNIMEM_DUMP_GRAPHS``: each graph is written there before and after the rewrites."""
-    value = os.environ.get("UNIMEM_DUMP_GRAPHS")
+    value = os.environ.get(DUMP_ENV)
     return Path(value) if value else None
 
 
-class PassManager:
+@dataclasses.dataclass
+class GraphRecord:
+    """One graph a manager processed (kept when ``PassManager.keep_graphs`` is set).
+
+    Attributes:
+        before: a copy of the graph as Dynamo captured it.
+        after: the graph as handed to the inner backend (the live object, not a copy).
+        counts: replacements per rewrite name in this graph.
+    """
+
+    before: torch.fx.Graph
+    after: torch.fx.Graph
+    counts: dict[str, int]
+
+
+class PassManager(CustomGraphPass):
     """Runs the enabled rewrites on each captured graph and counts their replacements.
 
     Args:
-        rewrites: the rewrite objects, in order (each with ``name`` and ``__call__(gm) -> int``).
-        enabled: names to run: True = all, False = none, or a collection of names.
+        rewrites: the rewrite objects, in order (each with ``name`` and ``__call__(graph) -> int``).
+        enabled: names to run: True = all, False = none, or a collection of names (FROZEN names whose
+            rewrite does not exist yet are accepted and count 0).
+        keep_graphs: keep a :class:`GraphRecord` of every graph in :attr:`records` (for inspection and
+            tests; costs a copy of each graph).
 
     Attributes:
-        counts: ``{name: replacements}`` for every FROZEN name, summed over every graph compiled.
+        counts: ``{name: replacements}`` for every FROZEN name, summed over every graph processed.
         graphs: number of graphs this manager has processed.
+        records: the :class:`GraphRecord` list when ``keep_graphs`` is set.
 
     Raises:
         ValueError: ``enabled`` names a rewrite that does not exist.
     """
 
-    def __init__(self, rewrites: Sequence[Callable] = (), enabled: bool | Collection[str] = True):
+    def __init__(self, rewrites: Sequence[Callable] = (), enabled: bool | Collection[str] = True,
+                 keep_graphs: bool = False):
         known = {r.name for r in rewrites} | set(REWRITE_NAMES)
         if enabled is True:
             names = set(known)
         elif enabled is False:
             names = set()
         else:
-            names = set(enabled)
+            names = {enabled} if isinstance(enabled, str) else set(enabled)
             unknown = names - known
             if unknown:
                 raise ValueError(f"unknown rewrite(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -65,33 +106,54 @@ class PassManager:
         self.enabled = frozenset(names)
         self.counts = {name: 0 for name in REWRITE_NAMES} | {r.name: 0 for r in rewrites}
         self.graphs = 0
+        self.keep_graphs = keep_graphs
+        self.records: list[GraphRecord] = []
 
-    def apply(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """Rewrite ``gm`` in place with every enabled rewrite; returns it."""
+    def __call__(self, graph: torch.fx.Graph | torch.fx.GraphModule) -> dict[str, int]:  # type: ignore[override]
+        """Rewrite ``graph`` in place with every enabled rewrite (Inductor's ``CustomGraphPass`` entry;
+        the caller recompiles). Returns this graph's ``{name: replacements}``; adds them to :attr:`counts`."""
+        g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
         self.graphs += 1
+        serial = next(_dump_serial)
         folder = dump_dir()
+        before = common.copy_graph(g) if self.keep_graphs else None
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"graph{self.graphs:03d}_before.py").write_text(gm.print_readable(False))
+            (folder / f"graph{serial:03d}_before.py").write_text(g.python_code("self", verbose=True).src)
+        counts = {}
         for rewrite in self.rewrites:
-            n = int(rewrite(gm))
-            self.counts[rewrite.name] += n
+            counts[rewrite.name] = int(rewrite(g))
+            self.counts[rewrite.name] += counts[rewrite.name]
         if self.rewrites:
-            gm.graph.lint()
-            gm.recompile()
+            g.lint()
+        if any(counts.values()):
+            log.debug("graph %d: %s", self.graphs, counts)
         if folder is not None:
-            (folder / f"graph{self.graphs:03d}_after.py").write_text(gm.print_readable(False))
+            header = "".join(f"# {name}: {n}\n" for name, n in counts.items())
+            (folder / f"graph{serial:03d}_after.py").write_text(header + g.python_code("self", verbose=True).src)
+        if before is not None:
+            self.records.append(GraphRecord(before, g, counts))
+        return counts
+
+    def apply(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Rewrite ``gm`` in place with every enabled rewrite and recompile it; returns it."""
+        self(gm.graph)
+        if self.rewrites:
+            gm.recompile()
         return gm
 
     def uuid(self) -> str:
-        """Hash of the rewrites' sources and the enabled set, for Inductor's compile cache."""
+        """Hash of the enabled set, the manager's and shared helpers' sources and each enabled rewrite's
+        ``uuid()`` (its sources and settings): the key Inductor's compile cache uses for this pass."""
         h = hashlib.sha256()
         h.update(repr(sorted(self.enabled)).encode())
-        for rewrite in self.rewrites:
-            module = inspect.getmodule(type(rewrite)) or inspect.getmodule(rewrite)
-            source = inspect.getsource(module) if module is not None else repr(rewrite)
-            h.update(source.encode())
         h.update(Path(__file__).read_bytes())
+        h.update(Path(common.__file__).read_bytes())
+        for rewrite in self.rewrites:
+            uuid = rewrite.uuid() if hasattr(rewrite, "uuid") else None
+            if uuid is None:
+                raise TypeError(f"rewrite {rewrite.name!r} has no uuid(): it cannot key a compile cache")
+            h.update(f"{rewrite.name}={uuid}".encode())
         return h.hexdigest()
 
     def backend(self, inner: str = "inductor", cudagraphs: bool = False) -> Callable:
@@ -116,3 +178,6 @@ class PassManager:
 
         unimem_backend.manager = self  # type: ignore[attr-defined]
         return unimem_backend
+
+    def __repr__(self) -> str:
+        return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"

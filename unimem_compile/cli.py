@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_pool_info)
+
+    from . import inspect_graphs
+
+    p = sub.add_parser("inspect", help="print one MLA layer's decode graph before and after the rewrites")
+    inspect_graphs.add_arguments(p)
     return parser
 
 

@@ -1,0 +1,89 @@
+"""The pass manager: names, uuid() for Inductor's cache, and the same objects as an Inductor
+``pre_grad_custom_pass`` under a plain ``torch.compile``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from unimem_compile.passes import REWRITE_NAMES, PassManager, Rewrite, all_rewrites, make_pass_manager
+from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool
+
+L, R, DR, PS = 2, 32, 16, 4
+
+
+def test_rewrites_run_in_the_frozen_name_order():
+    names = [r.name for r in all_rewrites()]
+    assert names == [n for n in REWRITE_NAMES if n in names]
+    assert names[:2] == ["mla_write_fusion", "mla_absorb"]
+
+
+def test_enabled_names_select_rewrites_and_unknown_names_raise():
+    assert [r.name for r in make_pass_manager(["mla_absorb"]).rewrites] == ["mla_absorb"]
+    assert make_pass_manager(False).rewrites == []
+    assert set(make_pass_manager(["kda_state_inplace"]).counts) >= set(REWRITE_NAMES)
+    with pytest.raises(ValueError, match="mla_absorbb"):
+        make_pass_manager(["mla_absorbb"])
+
+
+def test_uuid_is_stable_across_processes_and_depends_on_the_enabled_set():
+    here = make_pass_manager(True).uuid()
+    code = "from unimem_compile.passes import make_pass_manager; print(make_pass_manager(True).uuid())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == other
+    assert len({here, make_pass_manager(["mla_absorb"]).uuid(), make_pass_manager(False).uuid()}) == 3
+
+
+class _Scaled(Rewrite):
+    name = "mla_absorb"
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def sites(self, graph):
+        return []
+
+    def settings(self):
+        return {"factor": self.factor}
+
+
+def test_uuid_depends_on_rewrite_settings():
+    def uuid(factor):
+        return PassManager([_Scaled(factor)]).uuid()
+
+    assert uuid(2) == uuid(2) != uuid(3)
+
+
+def _write_step(arena, v2p, loc, kv, weight):
+    """An RMSNorm'd latent written to the pool, then read back: the write fusion's pattern outside HF."""
+    x, k_rope = kv.split([R, DR], dim=-1)
+    x32 = x.to(torch.float32)
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    torch.ops.unimem.mla_kv_write(arena, v2p, loc, normed, k_rope, 1, L, PS, R, DR, torch.float32)
+    return arena.view(torch.float32).sum()
+
+
+def test_manager_is_an_inductor_pre_grad_pass_for_plain_torch_compile(gen):
+    pool = UnifiedPool(ArenaLayout.for_capacity(MLASpec(L, R, DR, torch.float32), None, PS, 4, 0))
+    pages = pool.alloc_pages(3)
+    loc = torch.tensor([pages[0] * PS + 1, pages[2] * PS + 3, -1, pages[1] * PS], dtype=torch.int64)
+    kv = torch.randn(4, R + DR, generator=gen)
+    weight = torch.rand(R, generator=gen) + 0.5
+    expected = pool.arena.clone()
+    _write_step(expected, pool.v2p, loc, kv, weight)
+
+    manager = make_pass_manager(True)
+    assert isinstance(manager, CustomGraphPass)
+    options = {"pre_grad_custom_pass": manager}
+    if hasattr(torch._inductor.config, "pre_grad_pass_timing"):  # torch >= 2.13 runs it after the cache lookup
+        options["pre_grad_pass_timing"] = "early"
+    torch._dynamo.reset()
+    compiled = torch.compile(_write_step, backend="inductor", options=options, fullgraph=True)
+    compiled(pool.arena, pool.v2p, loc, kv, weight)
+    assert manager.counts["mla_write_fusion"] == 1
+    assert torch.equal(pool.arena, expected)
