@@ -18,6 +18,7 @@ import hashlib
 import inspect
 import logging
 import operator
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -296,7 +297,8 @@ def site_name(node: Node) -> str:
     if not stack:
         return describe(node)
     path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L['self']", "")
+    # relative to the compiled module: drop Dynamo's source of the root (L['self'], L['fn'].__self__, ...)
+    return re.sub(r"^L\['[^']*'\](?:\.__self__)?\.?", "", path)
 
 
 # ------------------------------------------------------------------------------------------ graph edits

@@ -105,13 +105,16 @@ def _in_module(node: Node, prefix: str) -> bool:
 
 
 def _placeholder_name(node: Node, prefix: str) -> str:
-    name = re.sub(r"^[Ll]_", "", str(node.target)).rstrip("_")
-    if name.startswith("self_modules_"):  # a module's parameter or buffer: write its dotted path
-        name = name[len("self_modules_"):]
-        for marker in ("_modules_", "_parameters_", "_buffers_"):
-            name = name.replace(marker, ".")
-        return name[len(prefix) + 1:] if name.startswith(prefix + ".") else name
-    return name[len("kwargs_"):] if name.startswith("kwargs_") else name
+    """A parameter of module ``prefix`` by its relative dotted path (``kv_b_proj.weight``), whatever
+    Dynamo prepends to placeholder names (``L_self_modules_...``, ``L_fn_self_modules_...``); a keyword
+    input by its name after ``kwargs_``."""
+    name = str(node.target).rstrip("_")
+    owner = prefix.replace(".", "_modules_") + "_modules_"
+    if owner in name:
+        return re.sub(r"_(?:modules|parameters|buffers)_", ".", name[name.index(owner) + len(owner):])
+    if "kwargs_" in name:
+        return name[name.index("kwargs_") + len("kwargs_"):]
+    return re.sub(r"^[Ll]_", "", name)
 
 
 def _shape(node: Node) -> str:
