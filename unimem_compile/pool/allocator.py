@@ -71,17 +71,22 @@ class _Side:
         return self.watermark * self.unit_bytes if self.watermark > self.begin else sink_floor
 
     def pop_hole(self) -> int:
-        h = heapq.heappop(self.holes)
-        p = -h if self.grows_down else h
-        self.hole_set.discard(p)
-        return p
+        # entries of ids that shrink() gave back to the gap stay in the heap until popped: skip them
+        while True:
+            h = heapq.heappop(self.holes)
+            p = -h if self.grows_down else h
+            if p in self.hole_set:
+                self.hole_set.discard(p)
+                return p
 
     def push_hole(self, p: int) -> None:
         heapq.heappush(self.holes, -p if self.grows_down else p)
         self.hole_set.add(p)
 
-    def shrink(self) -> None:
-        """Give the holes adjacent to the watermark back to the gap."""
+    def shrink(self, rebuild: bool = False) -> None:
+        """Give the holes adjacent to the watermark back to the gap. The heap is rebuilt from ``hole_set``
+        when ``rebuild`` (a caller changed ``hole_set`` directly) or when stale entries outnumber the holes;
+        otherwise a free costs O(log holes), not O(holes)."""
         if self.grows_down:
             while self.watermark < self.n and self.watermark in self.hole_set:
                 self.hole_set.discard(self.watermark)
@@ -90,9 +95,10 @@ class _Side:
             while self.watermark > self.begin and self.watermark - 1 in self.hole_set:
                 self.hole_set.discard(self.watermark - 1)
                 self.watermark -= 1
-        sign = -1 if self.grows_down else 1
-        self.holes = [sign * p for p in self.hole_set]
-        heapq.heapify(self.holes)
+        if rebuild or len(self.holes) > 2 * len(self.hole_set) + 64:
+            sign = -1 if self.grows_down else 1
+            self.holes = [sign * p for p in self.hole_set]
+            heapq.heapify(self.holes)
 
     def live_physical(self) -> list[int]:
         lo, hi = (self.watermark, self.n) if self.grows_down else (self.begin, self.watermark)
@@ -347,7 +353,7 @@ class MultiEndedAllocator:
             s.hole_set.discard(dst)
             s.hole_set.add(src)
             moves.append(Move(side, src, dst, v))
-        s.shrink()
+        s.shrink(rebuild=True)
         if moves:
             self.version += 1
         return moves

@@ -1,0 +1,77 @@
+"""The benchmark scripts run end to end on the CPU: the generation benchmark's smoke mode (tiny model, all
+three systems, resume and deadline) and the capacity benchmark's quick mode (JSON, plots, targets)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and the process pool look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_smoke_records_all_three_systems_then_resumes_without_rerunning(tmp_path, capsys):
+    bench = _script("bench_generate")
+    out = tmp_path / "gen"
+    bundle = tmp_path / "bundle.json"
+    argv = ["--device", "cpu", "--smoke", "--configs", "kimi-linear-tiny_b2_p24"]
+    assert bench.main(argv + ["--out", str(out), "--bundle", str(bundle)]) == 0
+    rec = json.loads((out / "kimi-linear-tiny_b2_p24.json").read_text())
+    assert rec["complete"] is True and set(rec["systems"]) == {"eager", "static", "unimem"}
+    assert rec["config"] == {"model": "kimi-linear-tiny", "batch": 2, "prompt": 24}
+    assert rec["environment"]["fla"]["importable"] in (True, False)
+    for name, s in rec["systems"].items():
+        assert "error" not in s, (name, s.get("error"))
+        assert s["new_tokens_generated"] == 4 and s["decode_steps"] == 3
+        assert s["prefill_ms"] > 0 and s["decode_tokens_per_s"] > 0 and s["achieved_bandwidth_gbs"] > 0
+    # fp32 greedy on the CPU: the three systems generate the same tokens
+    assert rec["systems"]["static"]["new_tokens_equal_to_eager"] == 1.0
+    assert rec["systems"]["unimem"]["new_tokens_equal_to_eager"] == 1.0
+    assert rec["systems"]["unimem"]["pool"]["kv_pages_used"] == 0  # generate() gave its pages back
+    assert {"decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static"} <= set(rec["ratios"])
+    table = capsys.readouterr().out
+    assert "(c) unimem" in table and "kimi-linear-tiny_b2_p24" in table
+
+    before = (out / "kimi-linear-tiny_b2_p24.json").read_text()
+    assert json.loads(bundle.read_text()) == {"kimi-linear-tiny_b2_p24": rec}
+    assert bench.main(argv + ["--out", str(out)]) == 0
+    assert "recorded already, skipped" in capsys.readouterr().out
+    assert (out / "kimi-linear-tiny_b2_p24.json").read_text() == before
+    # a fresh folder seeded from the bundle (a new machine) resumes too
+    fresh = tmp_path / "fresh"
+    assert bench.main(argv + ["--out", str(fresh), "--resume-from", str(bundle)]) == 0
+    assert "recorded already, skipped" in capsys.readouterr().out
+    assert json.loads((fresh / "kimi-linear-tiny_b2_p24.json").read_text()) == rec
+
+
+def test_generate_deadline_stops_before_starting_a_system(tmp_path, capsys):
+    bench = _script("bench_generate")
+    out = tmp_path / "gen"
+    assert bench.main(["--device", "cpu", "--smoke", "--out", str(out), "--deadline-s", "0"]) == 0
+    assert "deadline" in capsys.readouterr().out
+    assert list(out.iterdir()) == []
+
+
+def test_capacity_quick_run_writes_json_and_plots_and_never_refuses_with_room(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    bench = _script("bench_capacity")
+    out = tmp_path / "cap.json"
+    assert bench.main(["--quick", "--jobs", "1", "--out", str(out), "--plots", str(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["traces"]) == {"stationary", "phased"}
+    for entry in report["traces"].values():
+        assert entry["targets"]["unified_refused_with_room"] == 0
+        assert entry["unified"]["finished"] == entry["trace"]["requests"] - entry["unified"]["rejected"]
+        assert entry["ratio_mean_concurrent"]["unified/best_static"] > 0
+    for png in ("capacity_occupancy.png", "capacity_comparison.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "unified / best static" in capsys.readouterr().out

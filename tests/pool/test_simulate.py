@@ -1,0 +1,136 @@
+"""The capacity simulator: real pools on the meta device, a deterministic FCFS scheduler, no leaks."""
+
+import random
+
+import numpy as np
+import pytest
+
+from unimem_compile.pool import ArenaLayout, MultiEndedAllocator, geometry, padded_group_bytes
+from unimem_compile.pool.simulate import (
+    GIB,
+    PaddedHybridSystem,
+    StaticSplitSystem,
+    UnifiedSystem,
+    phased_trace,
+    simulate,
+    stationary_trace,
+)
+
+KV, STATE = geometry("kimi-linear-48b")
+BUDGET = 3 * GIB
+
+
+def _small_phased(seed):
+    return phased_trace(seed, chat_ticks=6, chat_rate=10.0, n_long=3, long_ticks=2, gap_ticks=3)
+
+
+def _small_stationary(seed):
+    return stationary_trace(seed, ticks=12, rate=8.0, long_fraction=0.05)
+
+
+SYSTEMS = {
+    "unified": lambda: UnifiedSystem(KV, STATE, BUDGET),
+    "static": lambda: StaticSplitSystem(KV, STATE, BUDGET, 0.5),
+    "padded": lambda: PaddedHybridSystem(KV, STATE, BUDGET),
+}
+
+
+def test_traces_are_deterministic_for_a_seed_and_differ_across_seeds():
+    for make in (_small_phased, _small_stationary):
+        a, b, c = make(3), make(3), make(4)
+        assert a == b and a != c
+        assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+        assert [r.rid for r in a] == list(range(len(a)))
+        assert all(r.prompt > 0 and r.output > 0 for r in a)
+    phased = _small_phased(3)
+    longs = [r for r in phased if r.kind == "long"]
+    chats = [r for r in phased if r.kind == "chat"]
+    assert len(longs) == 3 and all(r.prompt >= 32 * 1024 for r in longs)
+    # phase order: every long request arrives after the first chat burst and before the second ends
+    assert min(r.arrival for r in longs) >= 6 and max(r.arrival for r in longs) < 6 + 3 + 2
+    assert any(r.arrival < 6 for r in chats) and any(r.arrival >= 11 for r in chats)
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMS))
+def test_a_trace_leaves_no_page_or_slot_behind_and_invariants_hold_every_tick(name):
+    system = SYSTEMS[name]()
+    trace = _small_phased(0)
+    r = simulate(system, trace, KV, STATE, check_invariants=True)
+    assert r.finished + r.rejected == len(trace) and r.finished > 0
+    for pool in system.pools():
+        a = pool.allocator
+        assert a.pages_used == 0 and a.slots_used == 0
+        for side in (a.kv, a.state):
+            assert (side.v2p[1:side.n] == -1).all() and (side.p2v[1:side.n] == -1).all()
+        a.check_invariants()
+    assert system.kv_bytes() == 0 and system.state_bytes() == 0
+    # memory use per tick: allocation covers what the running requests need, within the budget
+    useful = np.asarray(r.timeline["useful_bytes"])
+    allocated = np.asarray(r.timeline["kv_bytes"]) + np.asarray(r.timeline["state_bytes"])
+    assert (useful <= allocated).all() and (allocated <= BUDGET).all()
+    assert r.peak_concurrent == max(r.timeline["running"]) > 0
+
+
+def test_a_simulation_is_deterministic():
+    trace = _small_stationary(1)
+    a = simulate(UnifiedSystem(KV, STATE, BUDGET), trace, KV, STATE)
+    b = simulate(UnifiedSystem(KV, STATE, BUDGET), trace, KV, STATE)
+    assert a.summary() == b.summary() and a.timeline == b.timeline
+
+
+def test_the_unified_pool_never_refuses_while_free_memory_could_hold_the_request():
+    trace = _small_phased(2)
+    unified = simulate(UnifiedSystem(KV, STATE, BUDGET), trace, KV, STATE, check_invariants=True)
+    assert unified.refused > 0  # the trace does overload the pool
+    assert unified.refused_with_room == 0 and unified.retracted_with_room == 0
+    assert unified.extra["compactions"] > 0  # room came from closing holes, not only from the gap
+    static = simulate(StaticSplitSystem(KV, STATE, BUDGET, 0.5), trace, KV, STATE)
+    assert static.refused_with_room > 0  # one pool full while the other idles: the stranded memory
+
+
+def test_a_request_too_large_for_a_static_kv_pool_is_rejected_not_stuck():
+    trace = _small_phased(0)
+    biggest = max(r.prompt + r.output for r in trace)
+    system = StaticSplitSystem(KV, STATE, BUDGET, 0.2)
+    assert not system.can_ever_hold(biggest)
+    r = simulate(system, trace, KV, STATE)
+    too_big = sum(not system.can_ever_hold(q.prompt + q.output) for q in trace)
+    assert r.rejected == too_big > 0 and r.finished == len(trace) - too_big
+
+
+def test_padded_system_allocates_exactly_the_padded_group_bytes():
+    system = PaddedHybridSystem(KV, STATE, BUDGET)
+    rng = random.Random(7)
+    for tokens in [1, 1919, 1920, 1921] + [rng.randrange(1, 300_000) for _ in range(40)]:
+        assert system.pages_for(tokens) * system.layout.page_bytes == padded_group_bytes(KV, STATE, tokens)
+
+
+def test_hole_reuse_order_matches_a_reference_under_heavy_churn():
+    # many more holes than the allocator's lazy heap keeps before rebuilding: pages must still come back
+    # highest hole first and slots lowest hole first, exactly as a sorted-set reference says
+    layout = ArenaLayout.for_capacity(KV, STATE, 64, 600, 40)
+    alloc = MultiEndedAllocator(layout)
+    rng = random.Random(11)
+    live = {"kv": [], "state": []}
+    most_holes = most_stale = 0
+    for _ in range(400):
+        side = "kv" if rng.random() < 0.8 else "state"
+        s = alloc.kv if side == "kv" else alloc.state
+        if live[side] and rng.random() < 0.45:
+            victims = rng.sample(live[side], rng.randint(1, min(25, len(live[side]))))
+            alloc.free(side, victims)
+            live[side] = [v for v in live[side] if v not in victims]
+        else:
+            n = rng.randint(1, 12 if side == "kv" else 2)
+            holes = sorted(s.hole_set, reverse=side == "kv")
+            if not alloc.can_alloc(side, n):
+                continue
+            expected_from_holes = holes[:n]
+            ids = alloc.alloc(side, n)
+            got = [int(s.v2p[v]) for v in ids]
+            assert got[:len(expected_from_holes)] == expected_from_holes
+            live[side] += ids
+        alloc.check_invariants()
+        most_holes = max(most_holes, len(alloc.kv.hole_set))
+        most_stale = max(most_stale, len(alloc.kv.holes) - len(alloc.kv.hole_set))
+    assert most_holes > 64 and most_stale > 0  # the churn did reach the lazy-heap regime
