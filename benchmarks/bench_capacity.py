@@ -194,8 +194,9 @@ def _versions() -> dict:
 
 def _systems(entry: dict) -> list[tuple[str, dict]]:
     f = entry["ratio_mean_concurrent"]["best_kv_fraction"]
+    best = f"best static ({round(100 * f)}/{round(100 * (1 - f))} KV/state)"
     return [("unified", entry["unified"]),
-            (f"best static ({round(100 * f)}/{round(100 * (1 - f))} KV/state)", entry["best_static_by_mean_concurrent"]),
+            (best, entry["best_static_by_mean_concurrent"]),
             ("static 50/50", entry["static_50_50"]),
             ("padded hybrid", entry["padded_hybrid"])]
 

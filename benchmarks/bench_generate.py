@@ -20,14 +20,14 @@ Decode tokens/s = batch x (new - 1) / decode time (PERF.md). Peak memory = ``tor
 over the timed runs (reset after the warm-up; models, caches and compiled graphs are freed between
 systems). Achieved bandwidth = ``demo.decode_step_bytes`` (every weight once, the latent KV of the mean
 context, each state read and written) / the mean decode step time, beside the device copy bandwidth
-measured in the same run. Ratios: (c)/(a) and (c)/(b) of decode tokens/s and prefill time.
+measured in the same run. Ratios: (c)/(a) and (c)/(b) of decode tokens/s, prefill time and peak memory.
 
 One JSON per configuration in ``--out``, rewritten after every system, so a run that hits a time limit
 resumes where it stopped (systems already recorded are skipped; delete a file to redo it); ``--bundle``
-also writes them all into one file, and ``--resume-from`` seeds ``--out`` from such a file (a fresh machine). ``--deadline-s``
-stops cleanly before a system that its running estimate says would not finish in time. Configurations run
-most important first; ``--configs`` filters them by glob. A compact table of everything in ``--out`` ends
-the run.
+also writes them all into one file, and ``--resume-from`` seeds ``--out`` from such a file (a fresh
+machine). ``--deadline-s`` stops cleanly before a system that its running estimate says would not
+finish in time. Configurations run most important first; ``--configs`` filters them by glob. A compact
+table of everything in ``--out`` ends the run.
 
 GPU:   source benchmarks/device_env.sh && python3 -P benchmarks/bench_generate.py --out /tmp/gen --deadline-s 470 \
            --bundle "$OUT/generate.json" [--resume-from benchmarks/results/generate_<date>.json]
@@ -80,7 +80,10 @@ SMOKE_CONFIGS = [Config("kimi-linear-tiny", 2, 24), Config("kimi-linear-tiny", 1
 
 #: seconds a system is assumed to take before one of its kind has run (cold compile caches, first-call
 #: autotuning); afterwards the longest measured one of its kind, x1.25
-PRIOR_S = {"cuda": {"eager": 30.0, "static": 120.0, "unimem": 120.0}, "cpu": {"eager": 5.0, "static": 20.0, "unimem": 20.0}}
+PRIOR_S = {"cuda": {"eager": 30.0, "static": 120.0, "unimem": 120.0},
+           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 20.0}}
+#: flash-linear-attention autotunes its KDA kernels on their first call (about 90 s on an H200)
+FLA_AUTOTUNE_S = 90.0
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -334,6 +337,7 @@ def run(args) -> int:
             log(f"{cfg.name}: recorded already, skipped")
     ceiling = copy_bandwidth_gbs(device) if todo else None
     observed: dict[str, float] = {}
+    cuda_fla = device.type == "cuda" and bool(env["fla"]["bound_by_transformers"])
     stopped = None
     for cfg, missing in todo:
         path = os.path.join(args.out, cfg.name + ".json")
@@ -346,6 +350,8 @@ def run(args) -> int:
         for system in missing:
             elapsed = time.perf_counter() - start
             estimate = 1.25 * observed[system] if system in observed else PRIOR_S[device.type][system]
+            if system == "eager" and system not in observed and cuda_fla:
+                estimate += FLA_AUTOTUNE_S
             if args.deadline_s is not None and elapsed + estimate > args.deadline_s:
                 stopped = (f"deadline: {elapsed:.0f} s spent of {args.deadline_s:.0f} s; {LABELS[system]} of "
                            f"{cfg.name} is estimated at {estimate:.0f} s: stopping here")

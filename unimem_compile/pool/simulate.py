@@ -556,7 +556,8 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         timeline["waiting"].append(len(waiting))
         timeline["kv_bytes"].append(system.kv_bytes())
         timeline["state_bytes"].append(system.state_bytes())
-        timeline["useful_bytes"].append(sum(x.tokens for x in running) * kv.token_bytes + len(running) * state.raw_bytes)
+        tokens = sum(x.tokens for x in running)
+        timeline["useful_bytes"].append(tokens * kv.token_bytes + len(running) * state.raw_bytes)
         if isinstance(system, UnifiedSystem):
             for k, v in system.occupancy().items():
                 timeline[k].append(v)
