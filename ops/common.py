@@ -5,7 +5,9 @@ How an op is declared (every module in this package follows it):
 * ``torch.library.custom_op("unimem::<name>", mutates_args=...)`` whose default implementation is the
   pure-torch reference (so CPU tensors, and any device without a kernel, run the reference);
 * ``<op>.register_kernel("cuda", <launcher>)``: CUDA tensors run the Triton kernel through its launcher;
-* ``<op>.register_fake``: shapes/strides identical to the real results (Inductor asserts this);
+* ``<op>.register_fake``: shapes/strides identical to the real results (Inductor asserts this); it also
+  checks that the tensors share one device, because a call mixing a ``meta`` tensor with real ones
+  dispatches to the fake impl and would otherwise return uninitialised memory without an error;
 * the launcher ``<name>_triton`` is public and also runs CPU tensors under ``TRITON_INTERPRET=1`` (how the
   tests exercise kernels without a GPU). ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is
   defined, i.e. at import: set it before importing ``unimem_compile``.

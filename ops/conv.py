@@ -174,4 +174,5 @@ def _(x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias=None, act
 
 @causal_conv1d_update.register_fake
 def _(x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias=None, activation=None):
+    check_same_device("causal_conv1d_update", x=x, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids, weight=weight, bias=bias)
     return x.new_empty(x.shape)

@@ -305,6 +305,7 @@ def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale,
 
 @kda_decode.register_fake
 def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale, use_qk_l2norm):
+    check_same_device("kda_decode", q=q, k=k, v=v, g=g, beta=beta, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids)
     return q.new_empty(v.shape)
 
 
@@ -335,4 +336,5 @@ def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale,
 
 @kda_prefill.register_fake
 def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale, use_qk_l2norm):
+    check_same_device("kda_prefill", q=q, k=k, v=v, g=g, beta=beta, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids)
     return q.new_empty(v.shape)

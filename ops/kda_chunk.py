@@ -69,5 +69,6 @@ def _(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
 
 @kda_chunk.register_fake
 def _(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
+    check_same_device("kda_chunk", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     b, t, h, _ = q.shape
     return q.new_empty(b, t, h, v.shape[-1]), initial_state.new_empty(initial_state.shape)

@@ -409,5 +409,7 @@ def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num
 @mla_decode.register_fake
 def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size, kv_lora_rank,
       qk_rope_head_dim, kv_dtype):
+    check_same_device("mla_decode", q_nope=q_nope, q_rope=q_rope, arena=arena, v2p=v2p, page_table=page_table,
+                      kv_len=kv_len)
     return q_nope.new_empty(q_nope.shape)
 

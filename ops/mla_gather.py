@@ -196,4 +196,5 @@ def _(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, pag
 @mla_gather.register_fake
 def _(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size, kv_lora_rank,
       qk_rope_head_dim, kv_dtype):
+    check_same_device("mla_gather", arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len, out_offset=out_offset)
     return arena.new_empty((page_table.shape[0], max_len, kv_lora_rank + qk_rope_head_dim), dtype=kv_dtype)

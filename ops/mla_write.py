@@ -98,7 +98,7 @@ def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, la
         check_tensor(op, "norm_weight", norm_weight, dtype=KERNEL_KV_DTYPES, shape=(kv_lora_rank,), contiguous=True)
         if not eps >= 0.0:
             raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
-    check_same_device(op, arena=arena, v2p=v2p, virt_loc=virt_loc, kv_nope=kv_nope, k_rope=k_rope,
+    check_same_device(op, arena=arena, v2p=v2p, virt_loc=virt_loc, **{nope_name: kv_nope}, k_rope=k_rope,
                       norm_weight=norm_weight)
     if debug_checks():
         check_live_locations(op, v2p, virt_loc, page_size)
@@ -275,6 +275,7 @@ def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lor
 
 @mla_kv_write.register_fake
 def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+    check_same_device("mla_kv_write", arena=arena, v2p=v2p, virt_loc=virt_loc, kv_nope=kv_nope, k_rope=k_rope)
     return None
 
 
@@ -302,4 +303,6 @@ def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, l
 @mla_kv_write_rmsnorm.register_fake
 def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
       qk_rope_head_dim, kv_dtype):
+    check_same_device("mla_kv_write_rmsnorm", arena=arena, v2p=v2p, virt_loc=virt_loc,
+                      kv_nope_unnormed=kv_nope_unnormed, k_rope=k_rope, norm_weight=norm_weight)
     return None

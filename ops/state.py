@@ -233,6 +233,7 @@ def _(arena, s_v2p, slot_ids, byte_offset, slot_bytes, shape, dtype):
 
 @state_gather.register_fake
 def _(arena, s_v2p, slot_ids, byte_offset, slot_bytes, shape, dtype):
+    check_same_device("state_gather", arena=arena, s_v2p=s_v2p, slot_ids=slot_ids)
     return arena.new_empty((slot_ids.shape[0], *shape), dtype=dtype)
 
 
@@ -256,4 +257,5 @@ def _(arena, s_v2p, slot_ids, value, byte_offset, slot_bytes):
 
 @state_scatter.register_fake
 def _(arena, s_v2p, slot_ids, value, byte_offset, slot_bytes):
+    check_same_device("state_scatter", arena=arena, s_v2p=s_v2p, slot_ids=slot_ids, value=value)
     return None

@@ -96,6 +96,7 @@ def _(v2p, virt, page_size, kernel_page_multiplier):
 
 @translate_kv_loc_dense.register_fake
 def _(v2p, virt, page_size, kernel_page_multiplier):
+    check_same_device("translate_kv_loc_dense", v2p=v2p, virt=virt)
     return virt.new_empty(virt.shape)
 
 
@@ -115,6 +116,7 @@ def _(v2p, virt, page_size, kernel_page_multiplier, out):
 
 @translate_kv_loc_dense_out.register_fake
 def _(v2p, virt, page_size, kernel_page_multiplier, out):
+    check_same_device("translate_kv_loc_dense_out", v2p=v2p, virt=virt, out=out)
     return None
 
 
@@ -132,6 +134,7 @@ def _(v2p, virt, page_size):
 
 @translate_kv_loc.register_fake
 def _(v2p, virt, page_size):
+    check_same_device("translate_kv_loc", v2p=v2p, virt=virt)
     return virt.new_empty(virt.shape)
 
 
@@ -149,4 +152,5 @@ def _(v2p, virt, page_size, out):
 
 @translate_kv_loc_out.register_fake
 def _(v2p, virt, page_size, out):
+    check_same_device("translate_kv_loc_out", v2p=v2p, virt=virt, out=out)
     return None
