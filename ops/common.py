@@ -114,10 +114,11 @@ def check_mla_geometry(
 
     Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
     not a multiple of 16 bytes, or ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
-    the arena (the message gives the bytes needed); TypeError for a kv_dtype kernels cannot compute in.
+    the arena (the message gives the bytes needed), or the arena or v2p is not contiguous (kernels index
+    both from their base pointer); TypeError for a kv_dtype kernels cannot compute in.
     """
-    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1)
-    check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1)
+    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
+    check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1, contiguous=True)
     if kv_dtype not in KERNEL_KV_DTYPES:
         raise TypeError(f"{op}: kv_dtype must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}")
     for name, value in (("layer_num", layer_num), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
@@ -143,10 +144,11 @@ def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_
     """Check a state section ``[byte_offset, byte_offset + nbytes)`` of a slot of pitch ``slot_bytes``.
 
     Raises GeometryError when the pitch is not positive or not 16-byte aligned, the section is misaligned
-    or does not lie inside the slot, or ``len(s_v2p)`` slots do not fit in the arena.
+    or does not lie inside the slot, ``len(s_v2p)`` slots do not fit in the arena, or the arena or s_v2p
+    is not contiguous (kernels index both from their base pointer).
     """
-    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1)
-    check_tensor(op, "s_v2p", s_v2p, dtype=torch.int64, dim=1)
+    check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
+    check_tensor(op, "s_v2p", s_v2p, dtype=torch.int64, dim=1, contiguous=True)
     if slot_bytes <= 0 or slot_bytes % align:
         raise GeometryError(f"{op}: slot_bytes must be a positive multiple of {align}, got {slot_bytes}")
     if byte_offset < 0 or byte_offset % align:

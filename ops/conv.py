@@ -111,13 +111,14 @@ def causal_conv1d_update_triton(x: torch.Tensor, arena: torch.Tensor, s_v2p: tor
     """Triton launcher of :func:`causal_conv1d_update`; one program per (lane, block of 128 channels).
 
     ``x`` may have any row stride (a column slice of a wider projection); a last-dimension stride other
-    than 1 and a non-contiguous weight are copied.
+    than 1 and a non-contiguous weight, bias or slot_ids are copied.
     """
     op = "causal_conv1d_update"
     _check(op, x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias, activation)
     if x.stride(1) != 1:
         x = x.contiguous()
-    weight = weight.contiguous()
+    weight, slot_ids = weight.contiguous(), slot_ids.contiguous()
+    bias = None if bias is None else bias.contiguous()
     b, c = x.shape
     kernel = weight.shape[1]
     out = torch.empty((b, c), dtype=x.dtype, device=x.device)

@@ -221,7 +221,7 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     bv = min(block_v, triton.next_power_of_2(dv))
     grid = (b, h, triton.cdiv(dv, bv))
     _kda_decode_kernel[grid](
-        q, k, v, g, beta, out, typed_arena(arena, torch.float32), s_v2p, slot_ids,
+        q, k, v, g, beta, out, typed_arena(arena, torch.float32), s_v2p, slot_ids.contiguous(),
         sqb, sqh, skb, skh, svb, svh, sgb, sgh, sbb, sbh, s_v2p.numel(), slot_bytes // 4, state_offset // 4, float(scale),
         H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=num_warps,
     )

@@ -195,7 +195,7 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, 
     norm = norm_weight is not None
     prod = torch.promote_types(norm_weight.dtype, kv_nope.dtype) if norm else kv_nope.dtype
     _mla_kv_write_kernel[(triton.cdiv(t, bt),)](
-        typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim), v2p, virt_loc, kv_nope, k_rope,
+        typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim), v2p, virt_loc.contiguous(), kv_nope, k_rope,
         norm_weight if norm else kv_nope,
         t, v2p.numel(), layer, layer_num, page_size, kv_nope.stride(0), k_rope.stride(0), float(eps),
         R=kv_lora_rank, DR=qk_rope_head_dim, R_P2=r_p2, DR_P2=triton.next_power_of_2(qk_rope_head_dim),

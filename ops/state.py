@@ -152,7 +152,8 @@ def _launch_copy(arena, s_v2p, slot_ids, words: torch.Tensor, byte_offset: int, 
     wb = words.element_size()
     block = min(4096, triton.next_power_of_2(n_words))
     grid = (b, triton.cdiv(n_words, block))
-    _section_copy_kernel[grid](typed_arena(arena, words.dtype), s_v2p, slot_ids, words, s_v2p.numel(),
+    # the kernel reads slot_ids[lane] from its base pointer: a strided id tensor is copied first
+    _section_copy_kernel[grid](typed_arena(arena, words.dtype), s_v2p, slot_ids.contiguous(), words, s_v2p.numel(),
                                slot_bytes // wb, byte_offset // wb, n_words,
                                ALIGN_WORDS=16 // wb, BLOCK=block, SCATTER=scatter)
 

@@ -42,7 +42,7 @@ def _translate_kernel(v2p_ptr, virt_ptr, out_ptr, n, num_pages, page_size, multi
 
 
 def _check(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_size: int, multiplier: int, out) -> None:
-    check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1)
+    check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1, contiguous=True)
     check_tensor(op, "virt", virt, dtype=torch.int64)
     if out is not None:
         check_tensor(op, "out", out, dtype=torch.int64, shape=tuple(virt.shape))
