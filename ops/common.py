@@ -113,8 +113,9 @@ def check_mla_geometry(
     """Check the MLA geometry tail G against the arena and the page table size.
 
     Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
-    not a multiple of 16 bytes, or ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
-    the arena (the message gives the bytes needed), or the arena or v2p is not contiguous (kernels index
+    not a multiple of 16 bytes, ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
+    the arena (the message gives the bytes needed) or the arena holds a different number of pages of this
+    geometry than ``len(v2p)`` (a page size, layer count or dtype that disagrees with the pool), or the arena or v2p is not contiguous (kernels index
     both from their base pointer); TypeError for a kv_dtype kernels cannot compute in.
     """
     check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
@@ -131,11 +132,21 @@ def check_mla_geometry(
     row = (kv_lora_rank + qk_rope_head_dim) * isz
     if row % 16:
         raise GeometryError(f"{op}: a row of {kv_lora_rank + qk_rope_head_dim} x {isz} bytes is not a multiple of 16")
-    need = v2p.numel() * page_size * layer_num * row + (layer_num - 1) * page_size * row
+    page_bytes = page_size * layer_num * row
+    need = v2p.numel() * page_bytes + (layer_num - 1) * page_size * row
     if arena.numel() < need:
         raise GeometryError(
-            f"{op}: {v2p.numel()} pages of {page_size * layer_num * row} bytes plus the tail pad need {need} "
+            f"{op}: {v2p.numel()} pages of {page_bytes} bytes plus the tail pad need {need} "
             f"arena bytes, the arena has {arena.numel()}"
+        )
+    # a pool's arena holds exactly len(v2p) pages plus a one-page tail pad (DESIGN.md section 3): a smaller
+    # page (half the page size, fewer layers, a narrower dtype) still fits, but every row lands elsewhere
+    holds = arena.numel() // page_bytes - 1
+    if holds != v2p.numel():
+        raise GeometryError(
+            f"{op}: an arena of {arena.numel()} bytes holds {holds} pages of {page_bytes} bytes (page_size "
+            f"{page_size}, layer_num {layer_num}, kv_lora_rank {kv_lora_rank}, qk_rope_head_dim {qk_rope_head_dim}, "
+            f"{kv_dtype}) plus the tail pad, but v2p has {v2p.numel()} entries: the geometry disagrees with the pool"
         )
 
 
