@@ -49,6 +49,8 @@ def _check(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_size: int, multi
     check_same_device(op, v2p=v2p, virt=virt, out=out)
     if page_size <= 0 or multiplier <= 0:
         raise ValueError(f"{op}: page_size ({page_size}) and kernel_page_multiplier ({multiplier}) must be positive")
+    if debug_checks():
+        check_live_locations(op, v2p, virt, page_size)
 
 
 def translate_kv_loc_dense_triton(
@@ -64,8 +66,6 @@ def translate_kv_loc_dense_triton(
     """
     op = "translate_kv_loc_dense"
     _check(op, v2p, virt, page_size, kernel_page_multiplier, out)
-    if debug_checks():
-        check_live_locations(op, v2p, virt, page_size)
     src = virt.contiguous()
     dst = out if out is not None and out.is_contiguous() else torch.empty_like(src)
     n = src.numel()
@@ -84,7 +84,8 @@ def translate_kv_loc_dense_triton(
 @torch.library.custom_op("unimem::translate_kv_loc_dense", mutates_args=())
 def translate_kv_loc_dense(v2p: torch.Tensor, virt: torch.Tensor, page_size: int, kernel_page_multiplier: int) -> torch.Tensor:
     """Dense row ids ``v2p[t // ps] * (ps * kernel_page_multiplier) + t % ps`` (int64, ``virt``'s shape,
-    contiguous); 0 for negative ids and tombstoned pages. See ``unimem_compile.pool.translate``."""
+    contiguous); 0 for negative ids and tombstoned pages (a GeometryError for ids >= 0 that are not on live
+    pages under ``UNIMEM_DEBUG=1``, as in the launcher). See ``unimem_compile.pool.translate``."""
     _check("translate_kv_loc_dense", v2p, virt, page_size, kernel_page_multiplier, None)
     return ref.translate_kv_loc_dense(v2p, virt, page_size, kernel_page_multiplier).contiguous()
 
