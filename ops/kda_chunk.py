@@ -23,10 +23,10 @@ def _check(q, k, v, g, beta, initial_state):
     op = "kda_chunk"
     check_tensor(op, "q", q, dtype=_FLOAT_DTYPES, dim=4)
     b, t, h, dk = q.shape
-    check_tensor(op, "k", k, shape=(b, t, h, dk))
-    check_tensor(op, "v", v, dim=4, shape=(b, t, h, None))
-    check_tensor(op, "g", g, shape=(b, t, h, dk))
-    check_tensor(op, "beta", beta, shape=(b, t, h))
+    check_tensor(op, "k", k, dtype=_FLOAT_DTYPES, shape=(b, t, h, dk))
+    check_tensor(op, "v", v, dtype=_FLOAT_DTYPES, dim=4, shape=(b, t, h, None))
+    check_tensor(op, "g", g, dtype=tuple(dict.fromkeys((torch.float32, q.dtype))), shape=(b, t, h, dk))
+    check_tensor(op, "beta", beta, dtype=_FLOAT_DTYPES, shape=(b, t, h))
     check_tensor(op, "initial_state", initial_state, dtype=torch.float32, shape=(b, h, dk, v.shape[-1]))
     check_same_device(op, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
 
