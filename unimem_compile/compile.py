@@ -228,10 +228,18 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
 
     original_prepare = model.prepare_inputs_for_generation
 
+    def check_own(cache: UnifiedCache) -> None:
+        # another model's cache carries that model's pool, specs and layer map: its rows would be written
+        # with this model's geometry into the other arena
+        if cache.handle is not handle:
+            raise UnsupportedModel(f"this UnifiedCache belongs to another compiled model ({cache.handle!r}); "
+                                   f"create caches for this one with model.unimem.new_cache()")
+
     @functools.wraps(original_prepare)
     def prepare_inputs_for_generation(input_ids, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, UnifiedCache):
+            check_own(cache)
             if input_ids.device != pool.device:
                 raise UnsupportedModel(f"input_ids are on {input_ids.device} but the pool is on {pool.device}")
             cache.prepare_step(input_ids, kwargs.get("attention_mask"))
@@ -246,6 +254,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         if given is not None and not isinstance(given, UnifiedCache):
             raise UnsupportedModel(f"a model compiled by unimem_compile generates with a UnifiedCache, "
                                    f"got {type(given).__name__}")
+        if given is not None:
+            check_own(given)
         input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if input_ids is None:
             raise UnsupportedModel("unimem_compile's generate() needs input_ids (inputs_embeds are not supported)")
