@@ -83,11 +83,13 @@ class PageTables:
             need += max(0, -(-n // self.page_size) - len(self.rows[row]))
         return need
 
-    def grow(self, rows: Sequence[int], new_lengths: Sequence[int], in_flight_pages: Sequence[int] = ()) -> None:
+    def grow(self, rows: Sequence[int], new_lengths: Sequence[int], in_flight_pages: Sequence[int] = (),
+             in_flight_slots: Sequence[int] = ()) -> None:
         """Make each ``rows[i]`` hold ``new_lengths[i]`` tokens, allocating pages; all rows or none.
 
         ``kv_len`` is set to the new lengths (tokens written this step count as stored: the step writes
-        them before attention reads them).
+        them before attention reads them). ``in_flight_pages`` / ``in_flight_slots``: PHYSICAL ids that a
+        compaction made room for these pages must not move (a page allocation may compact either side).
 
         Raises:
             GeometryError: a row out of range, a length below the row's current one, or above
@@ -105,7 +107,7 @@ class PageTables:
                     f"page_size={self.page_size} = {self.max_row_tokens}"
                 )
         need = self.pages_needed(rows, new_lengths)
-        fresh = self.pool.alloc_pages(need, in_flight_pages=in_flight_pages) if need else []
+        fresh = self.pool.alloc_pages(need, in_flight_pages, in_flight_slots) if need else []
         it = iter(fresh)
         for row, n in zip(rows, new_lengths):
             pages = self.rows[row]
