@@ -174,19 +174,45 @@ def test_budget_too_small_for_one_request_states_the_minimum():
     assert model.unimem.pool.layout.memory_budget == minimum
 
 
-def test_pool_exhaustion_surfaces_as_pool_exhausted_and_leaks_nothing():
-    from unimem_compile.errors import PoolExhausted
-    from unimem_compile.pool import ArenaLayout
+# phase -> (rows' prompt lengths, (pages, slots) the budget is sized for, new tokens, the allocations the
+# cache makes up to the failing one: (side, count)); page size 16, max_seq_len 64
+EXHAUSTION = {
+    # three rows' slots do not fit next to one full row's pages: the prefill fails on the state side
+    "prefill_slots": ([40, 40, 40], (4, 1), 4, [("state", 3)]),
+    # two rows' prefill (two pages, two slots) fits; crossing the first page boundary needs two more pages
+    "decode_pages": ([10, 10], (3, 2), 10, [("state", 2), ("kv", 2), ("kv", 2)]),
+}
 
+
+@pytest.mark.parametrize("phase", list(EXHAUSTION))
+def test_pool_exhaustion_surfaces_as_pool_exhausted_with_the_numbers_and_leaks_nothing(phase):
+    from unimem_compile.errors import PoolExhausted
+    from unimem_compile.pool import ArenaLayout, UnifiedPool
+
+    lengths, (pages, slots), new_tokens, replay = EXHAUSTION[phase]
     model = build_model("kimi-linear-tiny")
     adapter = unimem_compile.hf.adapters.adapter_for(model)
-    one_row = ArenaLayout.for_capacity(adapter.kv_spec, adapter.state_spec, 16, 4, 1).memory_budget
-    unimem_compile.compile(model, max_batch_size=4, max_seq_len=64, page_size=16, memory_budget=one_row,
+    budget = ArenaLayout.for_capacity(adapter.kv_spec, adapter.state_spec, 16, pages, slots).memory_budget
+    unimem_compile.compile(model, max_batch_size=4, max_seq_len=64, page_size=16, memory_budget=budget,
                            backend="aot_eager")
-    ids, mask = prompts([40, 40, 40], seed=4)
-    with pytest.raises(PoolExhausted) as info:
-        model.generate(ids, attention_mask=mask, max_new_tokens=4)
-    assert info.value.requested > info.value.available
+    layout = model.unimem.pool.layout
+    assert not layout.fits(pages + 1, slots) and not layout.fits(pages, slots + 1)
+    ids, mask = prompts(lengths, seed=4)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(PoolExhausted) as info:
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens)
+    # the same allocations replayed on a fresh pool of the same layout fail with the same numbers
+    twin = UnifiedPool(layout)
+    *fitting, (side, n) = replay
+    for s, k in fitting:
+        (twin.alloc_pages if s == "kv" else twin.alloc_slots)(k)
+    with pytest.raises(PoolExhausted) as want:
+        (twin.alloc_pages if side == "kv" else twin.alloc_slots)(n)
+    got, want = info.value, want.value
+    unit = layout.page_bytes if side == "kv" else layout.slot_bytes
+    assert (got.side, got.requested, got.available, got.reclaimable) == (side, n * unit, want.available,
+                                                                         want.reclaimable)
+    assert got.requested > got.available and str(got) == str(want)
+    assert f"({n * unit} bytes)" in str(got) and f"({want.available} bytes)" in str(got)
     stats = model.unimem.stats()
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
     model.unimem.pool.allocator.check_invariants()
