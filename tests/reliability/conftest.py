@@ -27,7 +27,8 @@ STATE_LAYER = 1
 
 
 class World:
-    """A pool (poisoned unless ``poison=False``) with live and tombstoned pages and slots on both sides.
+    """A pool (poisoned unless ``poison=False``, on ``device``) with live and tombstoned pages and slots on
+    both sides.
 
     Attributes:
         pool: the UnifiedPool (fp32 KV rows, fp32 conv and recurrent states).
@@ -41,11 +42,13 @@ class World:
     H, K, V, CONV_K, C = H, K, V, CONV_K, C
     KV_LAYER, STATE_LAYER = KV_LAYER, STATE_LAYER
 
-    def __init__(self, seed: int = 0, poison: bool = True):
+    def __init__(self, seed: int = 0, poison: bool = True, device: str = "cpu"):
         self.gen = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
         self.kv_spec = MLASpec(L, R, DR, torch.float32)
         self.state_spec = LinearStateSpec.kda(2, H, K, CONV_K, torch.float32)
-        self.pool = UnifiedPool(ArenaLayout.for_capacity(self.kv_spec, self.state_spec, PS, 10, 5), poison=poison)
+        self.pool = UnifiedPool(ArenaLayout.for_capacity(self.kv_spec, self.state_spec, PS, 10, 5), self.device,
+                                poison=poison)
         pool = self.pool
         pages = pool.alloc_pages(5)
         slots = pool.alloc_slots(4)
@@ -56,8 +59,8 @@ class World:
         self.slots = [s for s in slots if s != self.dead_slot][::-1][:2]  # physical order reversed
         self.lens = [PS + 3, PS - 1]
         self.page_table = torch.tensor([[self.pages[2], self.pages[0], -1], [self.pages[3], -1, -1]],
-                                       dtype=torch.int32)
-        self.kv_len = torch.tensor(self.lens, dtype=torch.int32)
+                                       dtype=torch.int32, device=self.device)
+        self.kv_len = torch.tensor(self.lens, dtype=torch.int32, device=self.device)
         # every token of every row, all layers: random finite rows; the pages' other tokens stay poison
         for b, n in enumerate(self.lens):
             loc = self.locations(b, n)
@@ -71,7 +74,14 @@ class World:
 
     # ---- helpers
     def randn(self, *shape, dtype=torch.float32) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen).to(dtype)
+        """Standard normal values on the World's device (drawn on the CPU: the same on every device)."""
+        return torch.randn(*shape, generator=self.gen).to(self.device, dtype)
+
+    def rand(self, *shape) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.gen).to(self.device)
+
+    def tensor(self, data, dtype=None) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
 
     def live_slots(self) -> list[int]:
         return self.pool.allocator.live_virtual("state")
@@ -79,7 +89,7 @@ class World:
     def locations(self, row: int, n: int) -> torch.Tensor:
         """Virtual locations of tokens ``0 .. n-1`` of page-table row ``row``."""
         pages = self.page_table[row].long()
-        i = torch.arange(n)
+        i = torch.arange(n, device=self.device)
         return pages[i // PS] * PS + i % PS
 
     @property
@@ -126,7 +136,7 @@ def free_bytes_poisoned(pool: UnifiedPool) -> bool:
     """Whether every arena byte past the sink that no live page or live slot covers is still poison, and
     the sink is still zero: a write to a freed or never-allocated place breaks this."""
     lay = pool.layout
-    free = torch.ones(lay.memory_budget, dtype=torch.bool)
+    free = torch.ones(lay.memory_budget, dtype=torch.bool, device=pool.arena.device)
     free[: lay.sink_floor] = False
     for v in pool.allocator.live_virtual("kv"):
         p = int(pool.allocator.kv.v2p[v])
@@ -155,7 +165,8 @@ def world() -> World:
 
 @pytest.fixture
 def make_world():
-    """The World class: ``make_world(seed, poison=...)`` builds a fresh one (same seed, same bytes)."""
+    """The World class: ``make_world(seed, poison=..., device=...)`` builds a fresh one (same seed, same
+    bytes)."""
     return World
 
 

@@ -12,6 +12,9 @@ cannot see (the ids are valid, just wrong) and runs the op (reference) and its T
 With poison the affected lanes (and only they) come out NaN; without poison the very same bug gives finite,
 plausible numbers: stale copies or zeros. Ops that write through a stale table also leave bytes in free
 memory, which the poison audit (every free byte still 0xFF) reports.
+
+On a machine with CUDA the same plants also run on CUDA tensors, through the compiled Triton kernels:
+``python -m pytest tests/reliability/test_poison.py -k cuda``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_write, state, translate
+from unimem_compile.ops.common import interpreting
 
 
 def _compact(w, side: str) -> list[int]:
@@ -42,7 +46,7 @@ def plant_translate(w, fn):
     loc = torch.cat([w.locations(0, w.lens[0]), w.locations(1, w.lens[1])])
     dense = fn(stale, loc, w.PS, w.L)
     rows = w.pool.kv_views()[w.KV_LAYER][:, 0][dense]
-    return rows, torch.isin(loc // w.PS, torch.tensor(moved)), False
+    return rows, torch.isin(loc // w.PS, w.tensor(moved)), False
 
 
 def plant_write(norm: bool):
@@ -62,7 +66,7 @@ def plant_write(norm: bool):
 def plant_gather(w, fn):
     kv_len = w.kv_len.clone()
     kv_len[1] += 1  # off by one: token lens[1] of row 1 was never written
-    offset = torch.tensor([0, 2], dtype=torch.int32)
+    offset = w.tensor([0, 2], dtype=torch.int32)
     out = fn(w.pool.arena, w.pool.v2p, w.page_table, kv_len, offset, 10, *_geometry(w))
     bad = torch.zeros(2, 10, dtype=torch.bool)
     bad[1, 2 + w.lens[1]] = True
@@ -81,7 +85,7 @@ def _stale_slots(w):
     """A copy of s_v2p from before a state compaction that moved lane 0's slot."""
     stale = w.pool.s_v2p.clone()
     moved = _compact(w, "state")
-    ids = torch.tensor(w.slots)
+    ids = w.tensor(w.slots)
     assert moved == [w.slots[0]]
     return stale, ids
 
@@ -109,7 +113,7 @@ def plant_conv(w, fn):
 def _kda_inputs(w, t):
     lead = (2,) if t is None else (2, t)
     return (w.randn(*lead, w.H, w.K), w.randn(*lead, w.H, w.K), w.randn(*lead, w.H, w.V),
-            -torch.rand(*lead, w.H, w.K, generator=w.gen) - 0.05, torch.rand(*lead, w.H, generator=w.gen))
+            -w.rand(*lead, w.H, w.K) - 0.05, w.rand(*lead, w.H))
 
 
 def plant_kda(t):
@@ -146,18 +150,26 @@ PLANTS = {
     "kda_prefill": (plant_kda(3), torch.ops.unimem.kda_prefill, kda.kda_prefill_cuda),
     "kda_chunk": (plant_kda_chunk, torch.ops.unimem.kda_chunk, None),
 }
-CASES = [(f, e) for f, (_, op, launcher) in PLANTS.items() for e in ("op", "launcher") if e == "op" or launcher]
+#: (family, entry, device): on the CPU the op (its reference) and the launcher (Triton interpreter); on CUDA
+#: the op, which dispatches to the compiled Triton kernel through its launcher
+CASES = [(f, e, "cpu") for f, (_, op, launcher) in PLANTS.items() for e in ("op", "launcher") if e == "op" or launcher]
+CASES += [(f, "op", "cuda") for f in PLANTS]
 
 
-@pytest.mark.parametrize("family,entry", CASES, ids=[f"{f}-{e}" for f, e in CASES])
-def test_poison_turns_a_planted_bad_location_into_nan_only_where_it_reaches(family, entry, make_world, poison_audit):
+@pytest.mark.parametrize("family,entry,device", CASES, ids=["-".join(c) for c in CASES])
+def test_poison_turns_a_planted_bad_location_into_nan_only_where_it_reaches(family, entry, device, make_world,
+                                                                            poison_audit):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and entry == "launcher" and not interpreting():
+        pytest.skip("CPU tensors reach the Triton launchers only under TRITON_INTERPRET=1")
     plant, op, launcher = PLANTS[family]
     fn = op if entry == "op" else launcher
-    poisoned, clean = make_world(poison=True), make_world(poison=False)
+    poisoned, clean = make_world(poison=True, device=device), make_world(poison=False, device=device)
     items, bad, audit_flags = plant(poisoned, fn)
     assert poison_audit(poisoned.pool) == (not audit_flags)
     if items is not None:
-        nan = items.reshape(bad.numel(), -1).isnan()
+        nan, bad = items.reshape(bad.numel(), -1).isnan().cpu(), bad.cpu()
         assert torch.equal(nan.all(-1), bad) and torch.equal(nan.any(-1), bad)
         # without poison the same bug is silent: finite numbers that look like data
         items, _, _ = plant(clean, fn)

@@ -1,15 +1,17 @@
-"""Scheduler-level churn: thousands of overlapping requests through one UnifiedPool + PageTables.
+"""Scheduler-level churn: thousands of overlapping requests, compaction included, nothing leaked.
 
-A small continuous-batching loop (FCFS admission, one token per running request per tick, the youngest
-request preempted and requeued when the pool is exhausted) runs over a pool sized for a few requests, so
-allocations fail, wait, preempt, and compact both sides all the time. Half of the running requests are
-"the step in flight" at every allocation: their pages and slots are passed as in flight and must never
-move. Every token's latent row and every request's state are written through the unimem ops (their
-reference implementations, with ``UNIMEM_DEBUG=1`` so every id is checked against the live set) and read
-back when the request finishes; at the end nothing leaks and every free byte is still poison.
+Two schedulers drive the real allocator:
 
-(The capacity simulator in ``unimem_compile.pool.simulate`` runs a scheduler on meta-device arenas:
-allocation only. This loop moves real bytes, so it can check that compaction keeps them.)
+* the capacity simulator's FCFS continuous-batching scheduler (``unimem_compile.pool.simulate``) on the
+  Kimi-Linear-48B geometry: thousands of requests through a 3 GiB unified pool, allocator invariants
+  checked after every tick. Its arenas live on the meta device: allocation and compaction only.
+* a small loop here that moves real bytes (FCFS admission, one token per running request per tick, the
+  youngest request preempted and requeued when the pool is exhausted) over a pool sized for a few
+  requests, so allocations fail, wait, preempt and compact both sides all the time. Half of the running
+  requests are "the step in flight" at every allocation: their pages and slots are passed as in flight
+  and must never move. Every token's latent row and every request's state are written through the unimem
+  ops (their references, with ``UNIMEM_DEBUG=1`` so every id is checked against the live set) and read
+  back when the request finishes; at the end nothing leaks and every free byte is still poison.
 """
 
 import collections
@@ -19,7 +21,8 @@ import pytest
 import torch
 
 from unimem_compile.errors import PoolExhausted
-from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, PageTables, UnifiedPool
+from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, PageTables, UnifiedPool, geometry
+from unimem_compile.pool.simulate import GIB, UnifiedSystem, simulate, stationary_trace
 
 KV = MLASpec(1, 16, 16, torch.float32)  # one layer of 32 fp32 values per token: 512-byte pages of 4 tokens
 STATE = LinearStateSpec.kda(1, 2, 8, 4, torch.float32)  # 1280-byte slots (2.5 pages)
@@ -185,3 +188,16 @@ def test_thousands_of_overlapping_requests_leak_nothing_and_keep_every_byte(monk
     # the churn exercised what it is about
     print(f"{ticks} ticks, {pool.compactions} compactions, {pool.bytes_moved} bytes moved, {dict(loop.stats)}")
     assert pool.compactions > 50 and loop.stats["preemptions"] > 50 and loop.stats["admission_waits"] > 50
+
+
+def test_the_capacity_simulators_scheduler_leaks_nothing_over_thousands_of_requests():
+    kv, state = geometry("kimi-linear-48b")
+    trace = stationary_trace(1, ticks=60, rate=40.0, long_fraction=0.02)
+    system = UnifiedSystem(kv, state, 3 * GIB)
+    result = simulate(system, trace, kv, state, check_invariants=True)
+    assert len(trace) >= 2000 and result.finished + result.rejected == len(trace) and result.finished > 2000
+    assert system.stats()["compactions"] > 50
+    a, lay = system.pool.allocator, system.layout
+    assert a.pages_used == 0 and a.slots_used == 0
+    assert a.kv_watermark == lay.num_pages and a.state_watermark == lay.first_slot
+    assert a.hole_bytes("kv") == 0 and a.hole_bytes("state") == 0
