@@ -205,7 +205,7 @@ class UnifiedPool:
         ids = self._alloc("state", n, in_flight_pages, in_flight_slots)
         if ids:
             phys = torch.tensor([int(self.allocator.state.v2p[v]) for v in ids], device=self.device)
-            self._slot_rows()[phys] = 0
+            self._slot_rows().index_fill_(0, phys, 0)
         return ids
 
     def free_slots(self, virtual_slots: Iterable[int]) -> None:
@@ -219,7 +219,7 @@ class UnifiedPool:
         self.allocator.free(side, ids)  # validates everything first: raises with nothing freed
         if self.poison and phys:
             rows = self._page_rows() if side == "kv" else self._slot_rows()
-            rows[torch.tensor(phys, device=self.device)] = POISON_BYTE
+            rows.index_fill_(0, torch.tensor(phys, device=self.device), POISON_BYTE)
         self.sync_tables()
 
     def _alloc(self, side: str, n: int, in_flight_pages: Iterable[int], in_flight_slots: Iterable[int]) -> list[int]:
@@ -259,7 +259,7 @@ class UnifiedPool:
                 dst = torch.tensor([m.dst for m in planned], device=self.device)
                 rows[dst] = rows[src]  # advanced indexing gathers first: sources and dests never alias
                 if self.poison:
-                    rows[src] = POISON_BYTE
+                    rows.index_fill_(0, src, POISON_BYTE)
                 self.bytes_moved += 2 * len(planned) * rows.shape[1]
             moves += planned
         if moves:
