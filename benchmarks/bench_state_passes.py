@@ -47,7 +47,6 @@ def copy_bandwidth(device: torch.device) -> float | None:
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
     return 2 * n / (ms * 1e-3)
 
 
@@ -144,7 +143,8 @@ def main() -> None:
         for name, passes in (("without", False), ("with", MINE)):
             rows += run_config(name, passes, args, device)
 
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}  torch {torch.__version__}  "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}  torch {torch.__version__}  "
           f"transformers {transformers.__version__}  model {args.model} bf16  prompt {args.prompt}  "
           f"cudagraphs {args.cudagraphs}")
     if ceiling:
@@ -161,7 +161,7 @@ def main() -> None:
               f"{on['tokens_per_s']:11.1f} {on['state_bytes_per_step'] / 1e6:9.1f} "
               f"{'-' if floor is None else f'{floor:.3f}':>15s}")
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": name,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "model": args.model, "dtype": "bfloat16", "prompt": args.prompt, "steps": args.steps, "warmup": args.warmup,
         "cudagraphs": args.cudagraphs, "copy_bytes_per_s": ceiling, "rows": rows, "summary": summary,

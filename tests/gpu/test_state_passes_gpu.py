@@ -74,7 +74,8 @@ def _op_args(code: str, op: str) -> list[list[str]]:
     for line in code.splitlines():
         if f"torch.ops.unimem.{op}.default(" in line:
             tree = ast.parse(line.strip())
-            call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(op + ".default"))
+            call = next(n for n in ast.walk(tree)
+                        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(op + ".default"))
             calls.append([ast.unparse(a) for a in call.args])
     return calls
 

@@ -10,7 +10,7 @@ from expecttest import assert_expected_inline
 
 import unimem_compile
 from unimem_compile.hf.models import build_model
-from unimem_compile.passes._state_match import op_name, value
+from unimem_compile.passes.common import op_name, tensor_value as value
 
 MINE = ("kda_state_inplace", "conv_state_inplace")
 NEW_TOKENS = 6
