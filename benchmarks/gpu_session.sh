@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device call that runs every CUDA test and benchmark of the project and leaves a log and the JSON
-# results under $OUT (the device tool returns at most 8 files). Steps run in priority order, each under
-# its own time limit, so a step that hangs or fails costs only its own slot.
-#   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh [step ...]
+# The project's CUDA tests and benchmarks for one device call: a log and JSON results under $OUT (the
+# device tool returns at most 8 files). Steps run in the order given, each under its own time limit, so a
+# step that hangs or fails costs only its own slot.
+#   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
+#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode demo_real bench_passes bench_state_passes
+#          bench_generate
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -13,28 +15,36 @@ fi
 OUT=${OUT:-/tmp/unimem_out}
 mkdir -p "$OUT/json"
 LOG="$OUT/session.log"
-export TRITON_INTERPRET=0
-
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local start=$(date +%s)
-  echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
-  timeout "$limit" "$@" >> "$LOG" 2>&1
-  echo "=== $name rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
-}
+export TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   python3 -c "import fla; print('fla', fla.__version__)" 2>/dev/null || echo "fla not importable"
+  git log -1 --format='commit %h %s' 2>/dev/null || true
 } | tee -a "$LOG"
 
-ONLY="${*:-}"
-step gpu_tests 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu
-step bench_mla_write 90 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json"
-step bench_kda 150 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json"
-step bench_mla_decode 120 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json"
-step demo_real 300 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json
-tail -n 3 "$LOG"
+run_step() {  # run_step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  echo "=== $name rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
+}
+
+for s in "$@"; do
+  case "$s" in
+    gpu_tests) run_step gpu_tests 240 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu
+               run_step poison_cuda 60 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
+    bench_mla_write) run_step bench_mla_write 80 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
+    bench_kda) run_step bench_kda 120 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
+    bench_mla_decode) run_step bench_mla_decode 100 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
+    demo_real) run_step demo_real 200 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json ;;
+    bench_passes) run_step bench_passes 200 python3 -P benchmarks/bench_passes.py --out "$OUT/json/passes.json" ;;
+    bench_state_passes) run_step bench_state_passes 150 python3 -P benchmarks/bench_state_passes.py --cudagraphs --batches 32 --out "$OUT/json/state_passes.json" ;;
+    bench_generate) run_step bench_generate "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --out /tmp/gen \
+                      --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate.json" ;;
+    *) echo "unknown step $s" | tee -a "$LOG" ;;
+  esac
+done

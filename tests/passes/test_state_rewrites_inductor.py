@@ -91,10 +91,6 @@ def test_decode_code_never_copies_the_arena(run):
     assert _arena_copies(code, numel) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "prefill keeps the cache's state_gather / state_scatter; Inductor's reorder_for_locality moves a "
-    "recurrent state_gather (a pure read) past the conv state_scatter of the same layer, so the re-inplacing "
-    "pass must clone the whole arena (passes with reorder_for_locality=False); see docs/passes.md"))
 def test_prefill_code_never_copies_the_arena(run):
     model, _, _, codes = run
     numel = model.unimem.pool.arena.numel()

@@ -152,8 +152,9 @@ class KDACacheLayer(LinearAttentionCacheLayerMixin):
         self.device = cache.pool.device
         self.dtype = self.conv_dtype
         self.record_past = False
-        # the gathered conv state handed out for a decode step: transformers' conv update writes into it
-        # in place, so it is scattered back in update_recurrent_state (which every KDA forward calls last)
+        # the conv state to store at the end of the layer (update_recurrent_state, which every KDA forward
+        # calls last): in a decode step the gathered state, which transformers' conv update overwrites in
+        # place; in a prefill step the last K columns of the new input
         self._conv_gathered: torch.Tensor | None = None
 
     # ---- reads
@@ -186,16 +187,13 @@ class KDACacheLayer(LinearAttentionCacheLayerMixin):
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Prefill: ``conv_states [B, C, S]`` are this step's raw columns. Returns the previous state
-        followed by them ``[B, C, K + S]`` (the conv's left context) and stores the last K columns."""
-        c = self.cache
+        followed by them ``[B, C, K + S]`` (the conv's left context); the last K columns are stored by
+        :meth:`update_recurrent_state`. Writing them here, before the layer's recurrent state is read, let
+        Inductor schedule that read after the write, which made it copy the whole arena to keep the old
+        bytes readable."""
         previous = self._conv_gathered if self._conv_gathered is not None else self.read_conv()
         full = torch.cat([previous, conv_states.to(previous.dtype)], dim=-1)
-        k = self.conv_shape[-1]
-        torch.ops.unimem.state_scatter(
-            c.pool.arena, c.pool.s_v2p, c.buffers.slot_ids, full[..., -k:].contiguous(), self.conv_offset,
-            c.pool.layout.slot_bytes,
-        )
-        self._conv_gathered = None
+        self._conv_gathered = full[..., -self.conv_shape[-1]:].contiguous()
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
