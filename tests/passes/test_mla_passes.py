@@ -373,6 +373,27 @@ def test_deepseek_v2_without_q_lora_is_absorbed_with_stock_tokens():
     assert torch.equal(result.tokens, _stock_tokens(model()))
 
 
+def test_absorption_holds_when_dynamo_makes_the_batch_symbolic():
+    """A second batch size makes Dynamo recompile with a symbolic batch: still matched, still exact."""
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    stock, model = build_model("deepseek-v3-tiny"), build_model("deepseek-v3-tiny")
+    torch._dynamo.reset()
+    unimem_compile.compile(model, max_batch_size=3, max_seq_len=PROMPT + 4, page_size=8, backend="eager")
+    model.unimem.passes.keep_graphs = True
+    for batch in (2, 3):
+        ids = torch.randint(3, 1000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, stock.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+    decode = model.unimem.passes.records[-1]
+    values = [n.meta.get("example_value") for n in decode.after.nodes if n.op == "placeholder"]
+    assert any(isinstance(v, torch.SymInt) for v in values)  # the batch is a graph input now
+    assert _mla(decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3}
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def _linears_of_latent(graph):
     gathers = [n for n in graph.nodes if is_function(n, torch.ops.unimem.mla_gather)]
