@@ -16,10 +16,12 @@ experts; each row's latent rows of the context; each row's state read and writte
 the same run. Without the rewrites every step gathers all ``max_seq_len`` positions and expands them
 through ``kv_b_proj``, so its time grows with ``batch x max_seq_len x heads x (dn + dv)``.
 
-Runtime on an H200: about 30 s per compile, 8 compiles for the default grid (about 5 minutes);
-``--quick`` runs batch 32 at prompt 4096 only.
+Runtime: two compiles of the decode graph per (prompt, batch), four pairs in the default grid, largest
+first; ``--deadline-s`` skips the rows that would not finish in time (listed under "skipped" in the
+JSON, which is rewritten after every row); ``--quick`` runs batch 32 at prompt 4096 only.
 
-usage: python benchmarks/bench_passes.py [--out results.json] [--quick] [--batch 8 32] [--prompt 512 4096]
+usage: python benchmarks/bench_passes.py [--out results.json] [--quick] [--deadline-s 180]
+                                         [--batch 8 32] [--prompt 512 4096] [--baseline state-only|none]
 """
 
 from __future__ import annotations
@@ -131,38 +133,49 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-cudagraphs", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke test of this script (use a tiny model)")
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="skip the rows that would end after this many seconds (0: run them all)")
+    parser.add_argument("--out", help="write the results as JSON here (rewritten after every row)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     batches, prompts = ([32], [4096]) if args.quick else (args.batch, args.prompt)
     baseline = False if args.baseline == "none" else ["kda_state_inplace", "conv_state_inplace"]
+    cudagraphs = not args.no_cudagraphs and device.type == "cuda"
     ceiling = _read_ceiling_tbs() if device.type == "cuda" else None
-
-    rows = []
-    header = f"{'prompt':>6} {'batch':>5} | {'no MLA rewrites':>15} | {'MLA rewrites':>12} | {'speedup':>7} | " \
-             f"{'tok/s':>8} | {'GB/s':>6} {'of read':>7}"
-    print(header)
-    print("-" * len(header))
-    for prompt in prompts:
-        for batch in batches:
-            off = measure(args.model, batch, prompt, baseline, device, args.backend, not args.no_cudagraphs)
-            on = measure(args.model, batch, prompt, True, device, args.backend, not args.no_cudagraphs)
-            if any(on["rewrites"][n] == 0 for n in MLA_REWRITES) or any(off["rewrites"][n] for n in MLA_REWRITES):
-                raise RuntimeError(f"unexpected rewrite counts: with {on['rewrites']}, without {off['rewrites']}")
-            share = f"{on['achieved_gbs'] / (ceiling * 1e3):7.1%}" if ceiling else f"{'-':>7}"
-            print(f"{prompt:>6} {batch:>5} | {off['step_ms']:>12.3f} ms | {on['step_ms']:>9.3f} ms | "
-                  f"{off['step_ms'] / on['step_ms']:>6.2f}x | {on['tokens_per_s']:>8.0f} | "
-                  f"{on['achieved_gbs']:>6.0f} {share}")
-            rows.append({"prompt": prompt, "batch": batch, "without": off, "with": on,
-                         "speedup": off["step_ms"] / on["step_ms"]})
-
     result = {
         "benchmark": "bench_passes", "model": args.model, "dtype": "bf16" if device.type == "cuda" else "fp32",
-        "backend": args.backend, "cudagraphs": not args.no_cudagraphs and device.type == "cuda",
-        "baseline": args.baseline, "new_tokens_headroom": NEW, "read_ceiling_tbs": ceiling, "rows": rows,
+        "backend": args.backend, "cudagraphs": cudagraphs, "baseline": args.baseline, "new_tokens_headroom": NEW,
+        "read_ceiling_tbs": ceiling, "rows": [], "skipped": [],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
     }
+    header = (f"{'prompt':>6} {'batch':>5} | {'no MLA rewrites':>15} | {'MLA rewrites':>12} | {'speedup':>7} | "
+              f"{'tok/s':>8} | {'GB/s':>6} {'of read':>7}")
+    print(header)
+    print("-" * len(header))
+    # the most telling configuration first; a row whose expected duration (the longest so far) would
+    # overrun --deadline-s is skipped and listed, and the JSON is rewritten after every row
+    grid = sorted(((p, b) for p in prompts for b in batches), key=lambda pb: (-pb[0] * pb[1], -pb[1]))
+    started, longest = time.perf_counter(), 0.0
+    for prompt, batch in grid:
+        if args.deadline_s and time.perf_counter() - started + longest > args.deadline_s:
+            result["skipped"].append({"prompt": prompt, "batch": batch})
+            print(f"{prompt:>6} {batch:>5} | skipped (deadline)")
+            continue
+        t0 = time.perf_counter()
+        off = measure(args.model, batch, prompt, baseline, device, args.backend, cudagraphs)
+        on = measure(args.model, batch, prompt, True, device, args.backend, cudagraphs)
+        longest = max(longest, time.perf_counter() - t0)
+        if any(on["rewrites"][n] == 0 for n in MLA_REWRITES) or any(off["rewrites"][n] for n in MLA_REWRITES):
+            raise RuntimeError(f"unexpected rewrite counts: with {on['rewrites']}, without {off['rewrites']}")
+        share = f"{on['achieved_gbs'] / (ceiling * 1e3):7.1%}" if ceiling else f"{'-':>7}"
+        print(f"{prompt:>6} {batch:>5} | {off['step_ms']:>12.3f} ms | {on['step_ms']:>9.3f} ms | "
+              f"{off['step_ms'] / on['step_ms']:>6.2f}x | {on['tokens_per_s']:>8.0f} | "
+              f"{on['achieved_gbs']:>6.0f} {share}", flush=True)
+        result["rows"].append({"prompt": prompt, "batch": batch, "without": off, "with": on,
+                               "speedup": off["step_ms"] / on["step_ms"]})
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
     if ceiling:
         print(f"HBM read ceiling measured in this run: {ceiling:.2f} TB/s")
     if args.out:

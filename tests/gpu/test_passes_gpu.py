@@ -1,12 +1,17 @@
 """The MLA rewrites on CUDA: rewritten graphs run the Triton kernels (mla_kv_write_rmsnorm, mla_decode)
 under Inductor, with the same results as without the rewrites.
 
-- fp32: greedy tokens identical to the same model compiled without the passes (TF32 off everywhere).
-- bf16: teacher-forced logits (both models made to pick the same tokens) within
-  ``BF16_ATOL + BF16_RTOL * |logit|``: 2e-2 absolute plus one bf16 ulp (2^-7) of the logit. The absorbed
-  form sums in another order (notes/passes.md: about 1.5 bf16 ulp on logits). These models use dense
-  MLPs: with top-k MoE routing a 1-ulp difference can pick another expert for one token and move its
-  logits by ~0.4 (measured on the CPU with the tiny DeepSeek-V3), which says nothing about attention.
+- fp32, tiny Kimi-Linear and DeepSeek-V3: greedy tokens identical to the same model compiled without the
+  passes (TF32 off everywhere); the Triton launchers are counted, so the rewritten graph provably runs
+  them on every step.
+- bf16, the Kimi-Linear-48B geometry: teacher-forced logits (both models made to pick the same tokens)
+  within ``BF16_ATOL + BF16_RTOL * |logit|``: 2e-2 absolute plus one bf16 ulp (2^-7) of the logit. The
+  absorbed form sums in another order (notes/passes.md: about 1.5 bf16 ulp on logits; measured on the CPU
+  at this geometry: 0.016 with logits up to 4.6). The model uses dense MLPs: with top-k MoE routing a
+  1-ulp difference can pick another expert for one token and move its logits by ~0.4 (measured on the CPU
+  with the tiny DeepSeek-V3), which says nothing about attention.
+
+Four Inductor compiles in all (plus two aot_eager ones).
 """
 
 import pytest
@@ -102,7 +107,7 @@ def test_fp32_greedy_tokens_identical_with_and_without_passes_on_the_triton_kern
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["kimi-linear-tiny", "kimi-linear-48b-4l"])
+@pytest.mark.parametrize("name", ["kimi-linear-48b-4l"])  # the real MLA geometry: 32 heads, 512 + 64
 def test_bf16_teacher_forced_logits_match_without_passes(name):
     new = 10
     plain = _compiled(name, torch.bfloat16, False, "inductor", new, dense=True)
