@@ -6,13 +6,15 @@ handful of English prompts with a byte-level tokenizer, and runs
 1. stock transformers ``generate()`` (eager, its default cache): the reference tokens and speed;
 2. ``unimem_compile.compile(model, ...)`` then ``generate()`` twice (the first call compiles);
 
-then reports parity (fp32: greedy tokens identical; bf16: teacher-forced logits within a tolerance), warm
+then reports parity (fp32: greedy tokens identical; bf16: teacher-forced logits as close to an fp32 run
+of the same weights as stock transformers' bf16 logits are, see BF16_ERROR_FACTOR), warm
 decode tokens/s of both, compile time, the pool's statistics, the rewrites made, and the achieved
 bandwidth (bytes one decode step must move / its time).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -26,8 +28,13 @@ PROMPTS = (
     "Once upon a time, in a small village by the sea,",
 )
 
-#: tolerance of the bf16 teacher-forced logit comparison (absolute; notes/passes.md: ~1.5 bf16 ulp)
-BF16_LOGIT_TOLERANCE = 2e-2
+#: bf16 parity: unimem's mean |logit error| against an fp32 run of the same weights may exceed stock
+#: transformers' own bf16 error by at most this factor plus BF16_ERROR_SLACK. A fixed absolute bound on
+#: |unimem - stock| does not work for MoE models: a one-ulp difference in a hidden state can flip a top-k
+#: expert choice, which moves later logits by O(1) in either run (seen on an H200: 1.7 at the 4-layer
+#: Kimi-Linear geometry), so both bf16 runs are measured against the fp32 truth instead.
+BF16_ERROR_FACTOR = 1.25
+BF16_ERROR_SLACK = 1e-3
 
 
 class ByteTokenizer:
@@ -128,7 +135,13 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     _timed_generate(model, ids, mask, 2, dev)
     ref_out, ref_t = _timed_generate(model, ids, mask, new_tokens, dev)
     _, ref_prefill_t = _timed_generate(model, ids, mask, 1, dev)
-    ref_logits = teacher_forced_logits(model, ids, mask, ref_out[:, prompt:]) if dtype != torch.float32 else None
+    forced = ref_out[:, prompt:]
+    stock_logits = fp32_logits = None
+    if dtype != torch.float32:
+        stock_logits = teacher_forced_logits(model, ids, mask, forced)
+        model32 = copy.deepcopy(model).float()  # the same weights, upcast exactly
+        fp32_logits = teacher_forced_logits(model32, ids, mask, forced)
+        del model32
 
     # 2. unimem-compile
     max_seq_len = prompt + new_tokens
@@ -140,14 +153,16 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     _, prefill_t = _timed_generate(model, ids, mask, 1, dev)
 
     tokens_identical = bool(torch.equal(out, ref_out) and torch.equal(first_out, ref_out))
+    errors = None
     if dtype == torch.float32:
         criterion, tolerance, max_diff = "tokens", 0.0, None
         parity = tokens_identical
     else:
-        got = teacher_forced_logits(model, ids, mask, ref_out[:, prompt:])
-        max_diff = float((got - ref_logits).abs().max())
-        criterion, tolerance = "logits", BF16_LOGIT_TOLERANCE
-        parity = max_diff <= tolerance
+        got = teacher_forced_logits(model, ids, mask, forced)
+        max_diff = float((got - stock_logits).abs().max())
+        errors = {"unimem": float((got - fp32_logits).abs().mean()), "stock": float((stock_logits - fp32_logits).abs().mean())}
+        criterion, tolerance = "logits", BF16_ERROR_FACTOR * errors["stock"] + BF16_ERROR_SLACK
+        parity = errors["unimem"] <= tolerance
 
     decode_tokens = batch * (new_tokens - 1)
     decode_t = max(warm_t - prefill_t, 1e-9)
@@ -176,6 +191,9 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
             "overhead_fraction")},
         "rewrites": model.unimem.rewrites,
     }
+    if errors is not None:
+        # bf16: tolerance bounds unimem's mean |logit - fp32 logit|, next to stock transformers' own
+        result["parity_detail"]["mean_abs_error_vs_fp32"] = errors
     texts = [(tok.decode(ids[i][mask[i].bool()]), tok.decode(out[i, prompt:])) for i in range(batch)]
     result["_texts"] = texts
     return result
@@ -192,8 +210,10 @@ def format_report(r: dict) -> str:
     lines += [
         "",
         f"parity              {'OK' if r['parity'] else 'FAILED'} ({d['criterion']}: tokens identical = "
-        f"{d['tokens_identical']}" + (f", max |logit diff| = {d['max_abs_logit_diff']:.3g} <= {d['tolerance']}"
-                                       if d["criterion"] == "logits" else "") + ")",
+        f"{d['tokens_identical']}" + (
+            f", mean |logit - fp32| unimem {d['mean_abs_error_vs_fp32']['unimem']:.3g} vs stock "
+            f"{d['mean_abs_error_vs_fp32']['stock']:.3g} (bound {d['tolerance']:.3g}), max |unimem - stock| "
+            f"{d['max_abs_logit_diff']:.3g}" if d["criterion"] == "logits" else "") + ")",
         f"decode tokens/s     unimem-compile {r['tokens_per_s']:.1f}   stock transformers "
         f"{r['reference_tokens_per_s']:.1f}   ({r['tokens_per_s'] / r['reference_tokens_per_s']:.2f}x)",
         f"compile time        {r['compile_s']:.1f} s (first generate minus a warm one)",
