@@ -120,9 +120,11 @@ def plant_kda(t):
     def plant(w, fn):
         stale, ids = _stale_slots(w)
         out = fn(*_kda_inputs(w, t), w.pool.arena, stale, ids, w.recurrent_offset(), w.slot_bytes, w.K ** -0.5, True)
-        # the NaN state written back into the freed slot keeps the poison's bit pattern: the audit cannot see
-        # it, the NaN output does
-        return out, torch.tensor([True, False]), False
+        # the stale table makes the kernel write a NaN state back into the freed slot. Whether the byte audit
+        # sees that write depends on the platform: x86 propagates the poison's NaN payload (0xFFFFFFFF, bytes
+        # unchanged) while CUDA writes the canonical NaN 0x7FFFFFFF (seen on an H200). The NaN output is what
+        # catches the bug on both, so the audit is not asserted here.
+        return out, torch.tensor([True, False]), None
     return plant
 
 
@@ -167,7 +169,8 @@ def test_poison_turns_a_planted_bad_location_into_nan_only_where_it_reaches(fami
     fn = op if entry == "op" else launcher
     poisoned, clean = make_world(poison=True, device=device), make_world(poison=False, device=device)
     items, bad, audit_flags = plant(poisoned, fn)
-    assert poison_audit(poisoned.pool) == (not audit_flags)
+    if audit_flags is not None:
+        assert poison_audit(poisoned.pool) == (not audit_flags)
     if items is not None:
         nan, bad = items.reshape(bad.numel(), -1).isnan().cpu(), bad.cpu()
         assert torch.equal(nan.all(-1), bad) and torch.equal(nan.any(-1), bad)
