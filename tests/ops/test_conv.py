@@ -8,7 +8,9 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.ops import conv as cv
-from unimem_compile.pool import ArenaLayout, LinearStateSpec, UnifiedPool, state_views
+from unimem_compile.pool import LinearStateSpec, state_views
+
+from .slot_pools import physical_slot, scattered_slot_pool
 
 H, D, CONV_K = 2, 8, 4
 C = 3 * H * D  # q|k|v channels, as in Kimi-Linear
@@ -19,31 +21,14 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 
 
 def _pool(dtype, gen):
-    """Live slots at scattered physical slots (alloc/free/compact), random finite conv states, random bytes in
-    every other byte past the sink; returns (pool, spec, live virtual ids, a tombstoned id)."""
+    """Scattered live slots with random conv states; returns (pool, spec, live virtual ids, a tombstone)."""
     spec = LinearStateSpec.kda(2, H, D, CONV_K, dtype)
-    pool = UnifiedPool(ArenaLayout.for_capacity(None, spec, 16, 0, 9))
-    ids = pool.alloc_slots(7)
-    pool.free_slots(ids[1:4:2])
-    pool.compact("state")
-    ids = [s for s in ids if s not in ids[1:4:2]] + pool.alloc_slots(2)
-    floor = pool.layout.sink_floor
-    pool.arena[floor:] = torch.randint(0, 256, (pool.arena.numel() - floor,), dtype=torch.uint8, generator=gen)
-    for layer in range(spec.layer_num):
-        for view in state_views(pool.arena, pool.layout, layer):
-            live = view[pool.layout.first_slot:]
-            live.copy_(torch.randn(live.shape, generator=gen).to(view.dtype))
-    dead = ids.pop(1)
-    pool.free_slots([dead])
+    pool, ids, dead = scattered_slot_pool(spec, gen, 7, slice(1, 4, 2), 1)
     return pool, spec, ids, dead
 
 
 def _conv_view(arena, pool):
     return state_views(arena, pool.layout, LAYER)[0]
-
-
-def _phys(pool, s):
-    return int(pool.s_v2p[s]) if 0 <= s < pool.s_v2p.numel() else -1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -60,7 +45,7 @@ def test_update_matches_transformers_and_changes_only_live_conv_sections(impl, d
     exp_view = _conv_view(expected, pool)
     want_out = []
     for b, s in enumerate(lanes.tolist()):
-        p = _phys(pool, s)
+        p = physical_slot(pool, s)
         state = (exp_view[p].clone() if p > 0 else torch.zeros(C, CONV_K, dtype=dtype))[None]
         want_out.append(hf.causal_conv1d_update(x[b][None, :, None], state, weight, bias, activation)[0, :, 0])
         if p > 0:
@@ -85,13 +70,13 @@ def test_decode_steps_after_a_prompt_equal_the_causal_conv_of_the_whole_sequence
     arena = pool.arena.clone()
     view = _conv_view(arena, pool)
     for b, s in enumerate(lanes.tolist()):
-        view[_phys(pool, s)] = seq[b, :, prompt - CONV_K:prompt]  # the last K raw prompt columns, as HF caches them
+        view[physical_slot(pool, s)] = seq[b, :, prompt - CONV_K:prompt]  # the last K raw prompt columns, as HF caches them
     outs = [KERNELS[impl](seq[:, :, t].contiguous(), arena, pool.s_v2p, lanes, spec.conv_offset(LAYER), spec.slot_bytes,
                           weight, bias, "silu") for t in range(prompt, prompt + steps)]
     want = hf.causal_conv1d_fn(seq, weight, bias, "silu")[:, :, prompt:]
     torch.testing.assert_close(torch.stack(outs, -1), want, **TOL[dtype])
     for b, s in enumerate(lanes.tolist()):
-        assert torch.equal(view[_phys(pool, s)], seq[b, :, -CONV_K:])
+        assert torch.equal(view[physical_slot(pool, s)], seq[b, :, -CONV_K:])
 
 
 def test_kernel_reads_a_strided_column_slice_of_a_wider_projection(gen):

@@ -8,7 +8,9 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.ops import kda
-from unimem_compile.pool import ArenaLayout, LinearStateSpec, UnifiedPool, state_views
+from unimem_compile.pool import LinearStateSpec, state_views
+
+from .slot_pools import physical_slot, scattered_slot_pool
 
 H, K, V = 2, 16, 8
 LAYER = 1
@@ -30,23 +32,10 @@ def _inputs(b, t, gen, dtype=torch.float32):
 
 
 def _pool(gen):
-    """Live slots at scattered physical slots (alloc/free/compact), random finite states, random bytes in
-    the alignment padding; returns (pool, spec, live virtual ids, a tombstoned id)."""
+    """Scattered live slots, a pitch that is not H*K*V*4; returns (pool, spec, live virtual ids, a tombstone)."""
     spec = LinearStateSpec.kda(2, H, K, 4, torch.float16, v_head_dim=V)
     assert spec.slot_bytes != H * K * V * 4
-    pool = UnifiedPool(ArenaLayout.for_capacity(None, spec, 16, 0, 10))
-    ids = pool.alloc_slots(8)
-    pool.free_slots(ids[0:5:2])
-    pool.compact("state")
-    ids = [s for s in ids if s not in ids[0:5:2]] + pool.alloc_slots(2)
-    floor = pool.layout.sink_floor
-    pool.arena[floor:] = torch.randint(0, 256, (pool.arena.numel() - floor,), dtype=torch.uint8, generator=gen)
-    for layer in range(spec.layer_num):
-        for view in state_views(pool.arena, pool.layout, layer):
-            live = view[pool.layout.first_slot:]
-            live.copy_(torch.randn(live.shape, generator=gen).to(view.dtype))
-    dead = ids.pop(3)
-    pool.free_slots([dead])
+    pool, ids, dead = scattered_slot_pool(spec, gen, 8, slice(0, 5, 2), 3)
     return pool, spec, ids, dead
 
 
@@ -54,15 +43,11 @@ def _states(arena, pool):
     return state_views(arena, pool.layout, LAYER)[1]
 
 
-def _phys(pool, s):
-    return int(pool.s_v2p[s]) if 0 <= s < pool.s_v2p.numel() else -1
-
-
 def _section_mask(pool, spec, lanes):
     """True on the arena bytes of the live lanes' recurrent sections in LAYER."""
     mask = torch.zeros(pool.arena.numel(), dtype=torch.bool)
     for s in lanes.tolist():
-        p = _phys(pool, s)
+        p = physical_slot(pool, s)
         if p > 0:
             start = p * spec.slot_bytes + spec.recurrent_offset(LAYER)
             mask[start:start + H * K * V * 4] = True
@@ -105,7 +90,7 @@ def test_decode_matches_transformers_step_and_updates_only_live_sections(impl, d
     lanes = torch.tensor([ids[4], -1, ids[0], dead, ids[2], 0, ids[5]])
     q, k, v, g, beta = _inputs(lanes.numel(), 1, gen, dtype)
     before = _states(pool.arena, pool)
-    init = torch.stack([before[_phys(pool, s)] if _phys(pool, s) > 0 else torch.zeros(H, K, V) for s in lanes.tolist()])
+    init = torch.stack([before[physical_slot(pool, s)] if physical_slot(pool, s) > 0 else torch.zeros(H, K, V) for s in lanes.tolist()])
     want_o, want_s = hf.recurrent_kimi_delta_attention(q, k, v, g, beta, init.clone(), True, use_qk_l2norm_in_kernel=True)
 
     arena = pool.arena.clone()
@@ -115,8 +100,8 @@ def test_decode_matches_transformers_step_and_updates_only_live_sections(impl, d
     torch.testing.assert_close(out, want_o[:, 0], **TOL[dtype])
     after = _states(arena, pool)
     for b, s in enumerate(lanes.tolist()):
-        if _phys(pool, s) > 0:
-            torch.testing.assert_close(after[_phys(pool, s)], want_s[b], **TOL[torch.float32])
+        if physical_slot(pool, s) > 0:
+            torch.testing.assert_close(after[physical_slot(pool, s)], want_s[b], **TOL[torch.float32])
     outside = ~_section_mask(pool, spec, lanes)
     assert torch.equal(arena[outside], pool.arena[outside])
     assert not torch.equal(arena, pool.arena)
@@ -146,9 +131,9 @@ def test_prefill_then_decode_equals_prefill_of_the_whole_sequence_and_transforme
     prompt, steps = 70, 3
     q, k, v, g, beta = _inputs(3, prompt + steps, gen)
     arena = pool.arena.clone()
-    init = _states(arena, pool)[[_phys(pool, s) for s in (ids[1], ids[3])]].clone()
+    init = _states(arena, pool)[[physical_slot(pool, s) for s in (ids[1], ids[3])]].clone()
     for s_a, s_b in ((ids[1], ids[0]), (ids[3], ids[5])):  # both slot sets start from the same states
-        _states(arena, pool)[_phys(pool, s_b)] = _states(arena, pool)[_phys(pool, s_a)]
+        _states(arena, pool)[physical_slot(pool, s_b)] = _states(arena, pool)[physical_slot(pool, s_a)]
     args = (spec.recurrent_offset(LAYER), spec.slot_bytes, SCALE, True)
     decode = DECODE["op" if impl == "op" else "triton"]
 
@@ -166,8 +151,8 @@ def test_prefill_then_decode_equals_prefill_of_the_whole_sequence_and_transforme
     torch.testing.assert_close(whole[live], want_o, **TOL[torch.float32])
     states = _states(arena, pool)
     for j, (s_a, s_b) in enumerate(((ids[1], ids[0]), (ids[3], ids[5]))):
-        torch.testing.assert_close(states[_phys(pool, s_a)], want_s[j], **TOL[torch.float32])
-        torch.testing.assert_close(states[_phys(pool, s_b)], want_s[j], **TOL[torch.float32])
+        torch.testing.assert_close(states[physical_slot(pool, s_a)], want_s[j], **TOL[torch.float32])
+        torch.testing.assert_close(states[physical_slot(pool, s_b)], want_s[j], **TOL[torch.float32])
     # masked lanes ran from a zero state and wrote nothing
     zero_o, _ = hf.recurrent_kimi_delta_attention(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], None, False,
                                                   use_qk_l2norm_in_kernel=True)

@@ -7,25 +7,19 @@ import torch
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.ops import state as st
-from unimem_compile.pool import ArenaLayout, LinearStateSpec, UnifiedPool, state_views
+from unimem_compile.pool import LinearStateSpec, state_views
+
+from .slot_pools import scattered_slot_pool
 
 H, K, V, CONV_K = 2, 8, 8, 4
 
 
 def _scattered_pool(conv_dtype, gen):
-    """A pool whose live virtual slots sit at scattered physical slots, with random bytes everywhere past
-    the sink, one tombstoned slot id and the physical->virtual map far from the identity."""
+    """Scattered live slots, random bytes everywhere past the sink, one tombstone; returns
+    (pool, spec, live virtual ids, the tombstone)."""
     spec = LinearStateSpec.kda(2, H, K, CONV_K, conv_dtype)
     assert spec.slot_bytes != H * K * V * 4
-    pool = UnifiedPool(ArenaLayout.for_capacity(None, spec, 16, 0, 10))
-    ids = pool.alloc_slots(8)
-    pool.free_slots(ids[0:5:2])
-    pool.compact("state")
-    ids = [s for s in ids if s not in ids[0:5:2]] + pool.alloc_slots(2)
-    floor = pool.layout.sink_floor
-    pool.arena[floor:] = torch.randint(0, 256, (pool.arena.numel() - floor,), dtype=torch.uint8, generator=gen)
-    dead = ids.pop(2)
-    pool.free_slots([dead])
+    pool, ids, dead = scattered_slot_pool(spec, gen, 8, slice(0, 5, 2), 2, fill_states=False)
     return pool, spec, ids, dead
 
 

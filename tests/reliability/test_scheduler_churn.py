@@ -17,7 +17,6 @@ Two schedulers drive the real allocator:
 import collections
 import random
 
-import pytest
 import torch
 
 from unimem_compile.errors import PoolExhausted
