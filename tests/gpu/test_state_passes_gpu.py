@@ -11,7 +11,6 @@
 Kernels must compile, not run in the interpreter: skipped when TRITON_INTERPRET=1.
 """
 
-import ast
 import os
 import re
 
@@ -27,6 +26,8 @@ pytestmark = [
 
 import unimem_compile  # noqa: E402
 from unimem_compile.hf.models import build_model  # noqa: E402
+
+from ..generated_code import arena_arg, op_calls
 
 DEV = "cuda"
 MINE = ("kda_state_inplace", "conv_state_inplace")
@@ -63,23 +64,6 @@ def tiny():
     return runs
 
 
-def _arena_arg(code: str, numel: int) -> str:
-    names = re.findall(rf"assert_size_stride\((\w+), \({numel}, \), \(1, \)(?:, '\w+')?\)", code)
-    assert len(names) == 1, names
-    return names[0]
-
-
-def _op_args(code: str, op: str) -> list[list[str]]:
-    calls = []
-    for line in code.splitlines():
-        if f"torch.ops.unimem.{op}.default(" in line:
-            tree = ast.parse(line.strip())
-            call = next(n for n in ast.walk(tree)
-                        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(op + ".default"))
-            calls.append([ast.unparse(a) for a in call.args])
-    return calls
-
-
 def test_tiny_fp32_tokens_identical_with_and_without_the_rewrites(tiny):
     assert torch.equal(tiny["on"][1], tiny["off"][1])
 
@@ -91,10 +75,10 @@ def test_decode_code_updates_states_in_place_with_the_slot_kernels(tiny):
     decode = [c for c in codes if "kda_decode" in c]
     assert len(decode) == 1
     code = decode[0]
-    arena = _arena_arg(code, numel)
+    arena = arena_arg(code, numel)
     assert "state_gather" not in code and "state_scatter" not in code
     for op, position in (("kda_decode", 5), ("causal_conv1d_update", 1)):
-        calls = _op_args(code, op)
+        calls = op_calls(code, op)
         assert len(calls) == 2 and all(c[position] == arena for c in calls), (op, calls)
     sized = [line for line in code.splitlines() if f"({numel}, )" in line and "assert_size_stride(" not in line
              and "rand_strided(" not in line]

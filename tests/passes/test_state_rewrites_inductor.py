@@ -3,7 +3,6 @@ minutes on a 2-core CPU): in the generated code every state write is the in-plac
 graph was given, nothing copies the whole arena, and no state gather or scatter is left in the decode
 graph; greedy fp32 tokens equal stock transformers'."""
 
-import ast
 import re
 
 import pytest
@@ -12,6 +11,8 @@ from torch._inductor.utils import run_and_get_code
 
 import unimem_compile
 from unimem_compile.hf.models import build_model
+
+from ..generated_code import arena_arg, op_calls
 
 pytestmark = pytest.mark.slow
 
@@ -35,25 +36,6 @@ def run():
     return model, stock, out, codes
 
 
-def _arena_arg(code: str, numel: int) -> str:
-    """The name under which the generated ``call`` receives the arena (the input asserted as uint8 [numel])."""
-    names = re.findall(rf"assert_size_stride\((\w+), \({numel}, \), \(1, \)(?:, '\w+')?\)", code)
-    assert len(names) == 1, names
-    return names[0]
-
-
-def _calls(code: str, op: str) -> list[list[str]]:
-    """The arguments (as source text) of every call of ``torch.ops.unimem.<op>.default`` in ``code``."""
-    calls = []
-    for line in code.splitlines():
-        if f"torch.ops.unimem.{op}.default(" in line:
-            tree = ast.parse(line.strip())
-            call = next(n for n in ast.walk(tree)
-                        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(op + ".default"))
-            calls.append([ast.unparse(a) for a in call.args])
-    return calls
-
-
 def test_inductor_tokens_equal_stock_transformers(run):
     _, stock, out, _ = run
     assert torch.equal(out, stock)
@@ -66,10 +48,10 @@ def test_decode_code_updates_every_state_in_place_on_the_arena_input(run):
     decode = [c for c in codes if "kda_decode" in c]
     assert len(decode) == 1 and len(codes) == 2
     code = decode[0]
-    arena = _arena_arg(code, numel)
+    arena = arena_arg(code, numel)
     assert "state_gather" not in code and "state_scatter" not in code
     for op in ("kda_decode", "causal_conv1d_update"):
-        calls = _calls(code, op)
+        calls = op_calls(code, op)
         assert len(calls) == 2, (op, calls)
         position = 5 if op == "kda_decode" else 1  # the arena argument of each op
         assert all(c[position] == arena for c in calls), calls
@@ -77,7 +59,7 @@ def test_decode_code_updates_every_state_in_place_on_the_arena_input(run):
 
 def _arena_copies(code: str, numel: int) -> list[str]:
     """Lines that allocate, loop over or copy a buffer the size of the whole arena (input checks aside)."""
-    arena = _arena_arg(code, numel)
+    arena = arena_arg(code, numel)
     return [line for line in code.splitlines()
             if (f"({numel}, )" in line or f"{numel}L" in line)
             and not line.strip().startswith(("assert_size_stride(", f"{arena} = rand_strided("))
