@@ -161,7 +161,10 @@ class PassManager(CustomGraphPass):
 
         Args:
             inner: "inductor", "aot_eager", "eager" or any registered backend name.
-            cudagraphs: Inductor's ``triton.cudagraphs`` (ignored by other inner backends).
+            cudagraphs: Inductor's ``triton.cudagraphs`` for decode graphs (one token per row; ignored by
+                other inner backends). Prefill graphs are never CUDA-graphed: each new prompt length would
+                record (and keep memory for) a graph of its own, for a compute-bound step that gains
+                nothing from it (as serving engines do: vLLM and SGLang graph the decode batch only).
         """
 
         def unimem_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -169,7 +172,8 @@ class PassManager(CustomGraphPass):
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": bool(cudagraphs)})
+                graphed = bool(cudagraphs) and (CUDAGRAPH_PREFILL or is_decode_graph(gm))
+                return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
             if inner == "eager":
                 return gm.forward
             from torch._dynamo.backends.registry import lookup_backend
@@ -181,3 +185,21 @@ class PassManager(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"
+
+
+#: record CUDA graphs of prefill graphs too (off; a switch for measurements, benchmarks/RESULTS.md)
+CUDAGRAPH_PREFILL = False
+
+
+def is_decode_graph(gm: torch.fx.GraphModule | torch.fx.Graph) -> bool:
+    """Whether a Dynamo graph of a causal LM forward is a decode step: its ``input_ids`` placeholder has
+    a static sequence length of 1. False when there is no such placeholder."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    for node in graph.find_nodes(op="placeholder"):
+        if "input_ids" not in node.name:
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        shape = getattr(value, "shape", None)
+        return shape is not None and len(shape) == 2 and isinstance(shape[1], int) and shape[1] == 1
+    return False
+

@@ -87,3 +87,25 @@ def test_manager_is_an_inductor_pre_grad_pass_for_plain_torch_compile(gen):
     compiled(pool.arena, pool.v2p, loc, kv, weight)
     assert manager.counts["mla_write_fusion"] == 1
     assert torch.equal(pool.arena, expected)
+
+
+def test_cudagraphs_are_asked_of_inductor_for_decode_graphs_only(monkeypatch):
+    """compile(cudagraphs=True): the prefill graph is compiled without CUDA graphs, the decode graph with
+    them (Inductor itself is replaced by a recorder here: only the config it is handed matters)."""
+    import torch._inductor.compile_fx as inductor_entry
+
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    asked = []
+
+    def recorder(gm, example_inputs, config_patches=None, **kw):
+        asked.append((config_patches or {}).get("triton.cudagraphs"))
+        return gm.forward
+
+    monkeypatch.setattr(inductor_entry, "compile_fx", recorder)
+    model = build_model("kimi-linear-tiny", dtype=torch.float32, device="cpu", seed=0)
+    unimem_compile.compile(model, max_batch_size=2, max_seq_len=32, backend="inductor", cudagraphs=True)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert asked == [False, True]  # prefill, then the one decode graph

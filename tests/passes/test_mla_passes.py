@@ -504,3 +504,11 @@ def test_inductor_counts_and_tokens_hold_on_a_warm_compile_cache(name, family, r
         assert result.model.unimem.rewrites == reference.model.unimem.rewrites
         assert [r.counts for r in result.records] == [r.counts for r in reference.records]
         assert torch.equal(result.tokens, reference.tokens)
+
+
+def test_decode_graphs_are_told_apart_from_prefill_graphs(kimi, deepseek):
+    from unimem_compile.passes.manager import is_decode_graph
+
+    for captured in (kimi, deepseek):
+        assert [is_decode_graph(r.before) for r in captured.records] == [False, True]
+        assert [is_decode_graph(r.after) for r in captured.records] == [False, True]

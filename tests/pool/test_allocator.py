@@ -280,3 +280,40 @@ def test_python_writes_never_touch_the_sink_even_on_virtual_page_zero():
     pool.write_kv(1, locs, rows)
     assert int(pool.arena[:sink].count_nonzero()) == 0
     assert torch.equal(pool.read_kv(1, locs[-1:]), rows[-1:])
+
+
+def test_token_locations_equal_per_row_locations_on_scattered_pages():
+    from unimem_compile.errors import GeometryError
+
+    gen = torch.Generator().manual_seed(11)
+    pool = make_pool(ps=4, n_pages=40, n_slots=1)
+    pt = PageTables(pool, max_batch_size=5, max_pages_per_row=6)
+    # interleave the rows' growth so their pages are scattered, then free a filler to leave holes
+    filler = pool.alloc_pages(3)
+    for step in range(1, 6):
+        pt.grow(range(5), [int(n) for n in torch.randint(step * 3, step * 4 + 1, (5,), generator=gen)])
+    pool.free_pages(filler[1:2])
+    positions = torch.tensor([int(torch.randint(0, n, (1,), generator=gen)) for n in pt.lengths], dtype=torch.int64)
+    want = torch.stack([pt.locations(b, int(positions[b]), 1)[0] for b in range(5)])
+    assert pt.token_locations(positions).tolist() == want.tolist()
+    assert pt.token_locations(positions[:3]).tolist() == want[:3].tolist()
+    before = snapshot(pool)
+    beyond = positions.clone()
+    beyond[2] = len(pt.rows[2]) * 4
+    with pytest.raises(GeometryError, match=rf"row 2: token {int(beyond[2])} lies outside its {len(pt.rows[2])} pages of 4"):
+        pt.token_locations(beyond)
+    with pytest.raises(GeometryError, match=r"positions must be \[B <= 5\], got \[6\]"):
+        pt.token_locations(torch.zeros(6, dtype=torch.int64))
+    assert_unchanged(before, pool)
+
+
+def test_staged_upload_on_the_cpu_is_a_plain_copy_and_checks_its_depth():
+    from unimem_compile.pool.staging import StagedUpload
+
+    dst = torch.full((3, 4), -1, dtype=torch.int32)
+    upload = StagedUpload(dst)
+    src = torch.randint(0, 100, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    upload(src)
+    assert torch.equal(dst, src) and dst.data_ptr() != src.data_ptr()
+    with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
+        StagedUpload(dst, depth=0)

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from .. import ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
 from ..errors import GeometryError, UnsupportedModel
 from ..pool import PageTables, UnifiedPool
+from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class StepBuffers:
     slot_ids: torch.Tensor
     decode_loc: torch.Tensor
     in_use: bool = False
+    upload_decode_loc: StagedUpload | None = None
 
     @classmethod
     def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
@@ -66,6 +68,7 @@ class StepBuffers:
         )
         for t in (buffers.page_table, buffers.kv_len, buffers.out_offset, buffers.slot_ids, buffers.decode_loc):
             torch._dynamo.mark_static_address(t)
+        buffers.upload_decode_loc = StagedUpload(buffers.decode_loc)
         return buffers
 
 
@@ -289,9 +292,13 @@ class UnifiedCache(Cache):
                 f"a row would reach {total} tokens (prompt + generated, pads included), more than "
                 f"max_seq_len={self.max_seq_len}; compile with a larger max_seq_len"
             )
-        mask = None if attention_mask is None else attention_mask.detach().to("cpu", torch.bool)
-        if mask is not None and tuple(mask.shape) != (batch, total):
-            raise GeometryError(f"attention_mask has shape {list(mask.shape)}, input_ids {[batch, total]}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, total):
+            raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, total]}")
+        # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
+        # ever appends ones to it. The first step and multi-token continuations are checked.
+        mask = None
+        if attention_mask is not None and (self.logical_len == 0 or new > 1):
+            mask = attention_mask.detach().to("cpu", torch.bool)
         if self.logical_len == 0:
             pads = self._left_pads(mask, batch, total)
             if self.adapter.state_spec is not None:
@@ -332,6 +339,12 @@ class UnifiedCache(Cache):
         pt = self.page_tables
         old = list(pt.lengths)
         pt.grow(range(self.num_rows), new_lengths)
+        if new == 1 and all(n == o + 1 for n, o in zip(new_lengths, old)):
+            # a decode step: one token per row, located in one vectorised lookup, uploaded asynchronously
+            loc = pt.token_locations(torch.tensor(old, dtype=torch.int64))
+            self.buffers.upload_decode_loc(loc.reshape(self.num_rows, 1))
+            self.write_loc = self.buffers.decode_loc
+            return
         loc = torch.full((self.num_rows, new), -1, dtype=torch.int64)
         for b in range(self.num_rows):
             count = new_lengths[b] - old[b]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import GeometryError
+from .staging import StagedUpload
 from .unified import UnifiedPool
 
 __all__ = ["PageTables"]
@@ -65,6 +66,9 @@ class PageTables:
             self.page_table, self.kv_len = self._host_table, self._host_len
         else:
             self.page_table, self.kv_len = self._host_table.to(pool.device), self._host_len.to(pool.device)
+        # device copies are refreshed without a stream synchronisation (pool/staging.py)
+        self._upload_table = StagedUpload(self.page_table)
+        self._upload_len = StagedUpload(self.kv_len)
         self.rows: list[list[int]] = [[] for _ in range(max_batch_size)]
         self.lengths = [0] * max_batch_size
 
@@ -116,7 +120,8 @@ class PageTables:
                 self._host_table[row, len(pages)] = p
                 pages.append(p)
             self.lengths[row] = n
-            self._host_len[row] = n
+        if rows:
+            self._host_len[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(new_lengths, dtype=torch.int32)
         self.sync()
 
     def locations(self, row: int, start: int, count: int) -> torch.Tensor:
@@ -134,6 +139,28 @@ class PageTables:
         idx = torch.arange(start, start + count, dtype=torch.int64)
         table = torch.tensor(pages, dtype=torch.int64) if pages else torch.zeros(0, dtype=torch.int64)
         return table[idx // self.page_size] * self.page_size + idx % self.page_size
+
+    def token_locations(self, positions: torch.Tensor) -> torch.Tensor:
+        """Virtual location (int64 ``[B]``, host) of token ``positions[b]`` of row ``b`` for every row
+        ``b < len(positions)``, in one vectorised step (a decode step's write locations).
+
+        Args:
+            positions: int64 ``[B]`` host tensor, ``B <= max_batch_size``.
+
+        Raises:
+            GeometryError: a position outside its row's allocated pages (the first such row is named).
+        """
+        rows = positions.shape[0]
+        if positions.dim() != 1 or rows > self.max_batch_size:
+            raise GeometryError(f"positions must be [B <= {self.max_batch_size}], got {list(positions.shape)}")
+        pages = torch.tensor([len(self.rows[b]) for b in range(rows)], dtype=torch.int64)
+        bad = torch.nonzero((positions < 0) | (positions >= pages * self.page_size)).reshape(-1)
+        if bad.numel():
+            b = int(bad[0])
+            raise GeometryError(f"row {b}: token {int(positions[b])} lies outside its {int(pages[b])} pages of "
+                                f"{self.page_size}")
+        page = self._host_table[torch.arange(rows), positions // self.page_size].to(torch.int64)
+        return page * self.page_size + positions % self.page_size
 
     def release(self, row: int) -> None:
         """Free every page of ``row`` and empty it."""
@@ -158,8 +185,9 @@ class PageTables:
         self.sync()
 
     def sync(self) -> None:
-        """Refresh the device copies in place (a no-op on the CPU, where they are the host tensors)."""
+        """Refresh the device copies in place, in stream order and without making the host wait for the
+        GPU (a no-op on the CPU, where they are the host tensors)."""
         if self.page_table is not self._host_table:
-            self.page_table.copy_(self._host_table)
-            self.kv_len.copy_(self._host_len)
+            self._upload_table(self._host_table)
+            self._upload_len(self._host_len)
 

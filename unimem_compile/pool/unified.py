@@ -21,6 +21,7 @@ from ..errors import GeometryError
 from .allocator import Move, MultiEndedAllocator
 from .layout import ArenaLayout
 from .specs import dtype_itemsize
+from .staging import StagedUpload
 from .translate import translate_kv_loc_dense, translate_slot
 
 __all__ = ["UnifiedPool", "PoolStats", "kv_dense_views", "state_views", "structural_overhead", "POISON_BYTE"]
@@ -155,6 +156,8 @@ class UnifiedPool:
             self.p2v = self.allocator.p2v.to(self.device)
             self.s_v2p = self.allocator.s_v2p.to(self.device)
             self.s_p2v = self.allocator.s_p2v.to(self.device)
+            # refreshed in stream order without making the host wait for the GPU (pool/staging.py)
+            self._uploads = [StagedUpload(t) for t in (self.v2p, self.p2v, self.s_v2p, self.s_p2v)]
         self._synced_version = self.allocator.version
         self._kv_views: list[torch.Tensor] | None = None
         self._pages_peak = 0
@@ -172,10 +175,9 @@ class UnifiedPool:
         """Copy changed host tables into the device tables, in place (a no-op on the CPU)."""
         if self.device.type == "cpu" or self._synced_version == self.allocator.version:
             return
-        self.v2p.copy_(self.allocator.v2p, non_blocking=False)
-        self.p2v.copy_(self.allocator.p2v, non_blocking=False)
-        self.s_v2p.copy_(self.allocator.s_v2p, non_blocking=False)
-        self.s_p2v.copy_(self.allocator.s_p2v, non_blocking=False)
+        for upload, host in zip(self._uploads, (self.allocator.v2p, self.allocator.p2v, self.allocator.s_v2p,
+                                                self.allocator.s_p2v)):
+            upload(host)
         self._synced_version = self.allocator.version
 
     # ------------------------------------------------------------------ pages
