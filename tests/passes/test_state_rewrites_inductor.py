@@ -78,3 +78,24 @@ def test_prefill_code_never_copies_the_arena(run):
     numel = model.unimem.pool.arena.numel()
     code = next(c for c in codes if "kda_decode" not in c)
     assert _arena_copies(code, numel) == []
+
+
+def test_prefill_hands_kda_chunk_dense_q_k_v_buffers_of_their_own_size(run):
+    """q, k, v are views of the conv output; handed to the op as they are, Inductor kept their traced
+    strides and gave each one a buffer the size of the whole conv output (3x the bytes, +6 GiB at batch
+    32 x 4096 tokens on the 48B geometry). Each must be a dense [B, T, H, K] buffer."""
+    model, _, _, codes = run
+    (prefill,) = [c for c in codes if "kda_chunk" in c]
+    calls = op_calls(prefill, "kda_chunk")
+    assert len(calls) == 2
+    kda = model.model.layers[model.unimem.adapter.linear_layers[0]].self_attn
+    heads, dim = kda.num_heads, kda.head_dim
+    for call in calls:
+        for name in call[:3]:  # q, k, v
+            # a fresh buffer, or one reused under a new size and stride
+            (alloc,) = re.findall(rf"\b{name} = (?:empty_strided_cpu\(|reinterpret_tensor\(\w+, )\((.*?)\), \((.*?)\)",
+                                  prefill)
+            size, stride = ([int(x) for x in part.split(", ")] for part in alloc)
+            batch, tokens = size[:2]
+            assert size == [batch, tokens, heads, dim]
+            assert stride == [tokens * heads * dim, heads * dim, dim, 1]

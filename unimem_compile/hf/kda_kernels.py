@@ -37,7 +37,13 @@ def chunk_kimi_delta_attention(
     V = value.shape[-1]
     if initial_state is None:
         initial_state = key.new_zeros(B, H, K, V, dtype=torch.float32)
+    # Contiguous here, in the graph: q, k, v are strided views of the conv output [B, C, T], and a custom
+    # op keeps its inputs' traced strides under Inductor, which then gives each of the three a buffer
+    # the size of the whole conv output (3x the bytes; +6 GiB at batch 32 x 4096 tokens on the 48B
+    # geometry, benchmarks/results/memdiag_2026-11-29.log). Asked for here, the copy fuses with the SiLU
+    # that produces them and each gets a dense buffer of its own size.
     out, final = torch.ops.unimem.kda_chunk(
-        query, key, value, g, beta, initial_state.to(torch.float32), K**-0.5, use_qk_l2norm_in_kernel
+        query.contiguous(), key.contiguous(), value.contiguous(), g.contiguous(), beta.contiguous(),
+        initial_state.to(torch.float32), K**-0.5, use_qk_l2norm_in_kernel,
     )
     return out, (final if output_final_state else None)
