@@ -185,7 +185,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         passes: True runs every rewrite, False none, or a collection of rewrite names
             (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
-        cudagraphs: Inductor's ``triton.cudagraphs`` (CUDA only; never ``torch.compile``'s ``mode=``).
+        cudagraphs: Inductor's ``triton.cudagraphs`` for decode graphs (one token per row; CUDA only; never
+            ``torch.compile``'s ``mode=``). Prefill graphs are compiled without CUDA graphs.
 
     Returns:
         ``model``, with ``model.unimem`` (:class:`UnimemHandle`).
