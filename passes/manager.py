@@ -172,7 +172,7 @@ class PassManager(CustomGraphPass):
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                graphed = bool(cudagraphs) and (CUDAGRAPH_PREFILL or is_decode_graph(gm))
+                graphed = bool(cudagraphs) and is_decode_graph(gm)
                 return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
             if inner == "eager":
                 return gm.forward
@@ -187,10 +187,6 @@ class PassManager(CustomGraphPass):
         return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"
 
 
-#: record CUDA graphs of prefill graphs too (off; a switch for measurements, benchmarks/RESULTS.md)
-CUDAGRAPH_PREFILL = False
-
-
 def is_decode_graph(gm: torch.fx.GraphModule | torch.fx.Graph) -> bool:
     """Whether a Dynamo graph of a causal LM forward is a decode step: its ``input_ids`` placeholder has
     a static sequence length of 1. False when there is no such placeholder."""
@@ -202,4 +198,3 @@ def is_decode_graph(gm: torch.fx.GraphModule | torch.fx.Graph) -> bool:
         shape = getattr(value, "shape", None)
         return shape is not None and len(shape) == 2 and isinstance(shape[1], int) and shape[1] == 1
     return False
-

@@ -47,6 +47,7 @@ class StepBuffers:
         slot_ids: int64 ``[B]`` virtual state slot per row.
         decode_loc: int64 ``[B, 1]`` virtual location of each row's token in a one-token step.
         in_use: whether a live cache holds these buffers.
+        upload_decode_loc: refreshes ``decode_loc`` from the host without a stream synchronisation.
     """
 
     page_table: torch.Tensor
@@ -55,7 +56,10 @@ class StepBuffers:
     slot_ids: torch.Tensor
     decode_loc: torch.Tensor
     in_use: bool = False
-    upload_decode_loc: StagedUpload | None = None
+    upload_decode_loc: StagedUpload = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.upload_decode_loc = StagedUpload(self.decode_loc)
 
     @classmethod
     def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
@@ -68,7 +72,6 @@ class StepBuffers:
         )
         for t in (buffers.page_table, buffers.kv_len, buffers.out_offset, buffers.slot_ids, buffers.decode_loc):
             torch._dynamo.mark_static_address(t)
-        buffers.upload_decode_loc = StagedUpload(buffers.decode_loc)
         return buffers
 
 
@@ -339,8 +342,9 @@ class UnifiedCache(Cache):
         pt = self.page_tables
         old = list(pt.lengths)
         pt.grow(range(self.num_rows), new_lengths)
-        if new == 1 and all(n == o + 1 for n, o in zip(new_lengths, old)):
-            # a decode step: one token per row, located in one vectorised lookup, uploaded asynchronously
+        if new == 1:
+            # one token per row (a row is never all padding, and later steps add `new` to every row):
+            # located in one vectorised lookup, uploaded asynchronously
             loc = pt.token_locations(torch.tensor(old, dtype=torch.int64))
             self.buffers.upload_decode_loc(loc.reshape(self.num_rows, 1))
             self.write_loc = self.buffers.decode_loc
