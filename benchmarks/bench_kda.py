@@ -136,7 +136,7 @@ def main() -> None:
 
         nbytes = decode_bytes(b)
         row("unimem.kda_decode (op)", [op(s) for s in slot_sets], nbytes)
-        row("kda_decode_triton (launcher)", [ours(s) for s in slot_sets], nbytes)
+        row("kda_decode_triton bv32 (fla tile)", [ours(s) for s in slot_sets], nbytes)  # the old default
         if fla is not None:
             q4, k4, v4, g4, b3 = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
             out = torch.empty_like(v4)

@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import sys
 import time
 
 import torch
 import triton
-from bench_mla_decode import H, Setup, bench_graph, effective_bytes, md, read_ceiling_tbs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_mla_decode, also under python -P
+from bench_mla_decode import H, Setup, bench_graph, effective_bytes, md, read_ceiling_tbs  # noqa: E402
 
 
 def _cache_entries():
@@ -35,11 +39,14 @@ def _cache_entries():
 
 
 def _resources(kernel, num_warps):
+    """Registers, spills, shared memory, resident blocks per SM and the MMA instructions of a compiled kernel."""
     try:
         regs, smem = kernel.n_regs, kernel.metadata.shared
         by_regs = 65536 // max(1, regs * 32 * num_warps)
         by_smem = 232448 // max(1, smem + 1024)
-        return {"n_regs": regs, "n_spills": kernel.n_spills, "shared": smem, "resident": min(by_regs, by_smem, 32)}
+        ptx = kernel.asm.get("ptx", "")
+        return {"n_regs": regs, "n_spills": kernel.n_spills, "shared": smem, "resident": min(by_regs, by_smem, 32),
+                "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync")}
     except Exception as e:  # noqa: BLE001
         return {"error": repr(e)}
 
@@ -82,7 +89,9 @@ def main() -> None:
     a = setup.args(qn, qr, pt, kl, sm_scale)
     want = md.mla_decode_reference(*a).float()
     bad = set()
+    compiled = {}  # variant -> resources of its split kernel (compiled here, in the correctness pass)
     for bh, bn, w, st, tm in variants:
+        before = _cache_entries()
         for splits in (1, 5):
             cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, num_splits=splits, token_major=tm)
             try:
@@ -95,6 +104,8 @@ def main() -> None:
             if not ok:
                 bad.add((bh, bn, w, st, tm))
                 print("FAILED", cfg, err, flush=True)
+        new = [k for i, k in _cache_entries().items() if i not in before]
+        compiled[(bh, bn, w, st, tm)] = _resources(new[-1], w) if new else {}
     dump()
     print(f"correctness done ({len(bad)} bad variants) at {time.time() - t_start:.0f} s", flush=True)
 
@@ -105,7 +116,6 @@ def main() -> None:
             print("budget exhausted", flush=True)
             break
         entry = {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st, "token_major": tm, "points": []}
-        before = _cache_entries()
         for batch, context in shapes:
             qn, qr, pt, kl = setup.inputs(batch, context)
             a = setup.args(qn, qr, pt, kl, sm_scale)
@@ -121,8 +131,7 @@ def main() -> None:
                 tbs = effective_bytes(batch, context) / ms / 1e9
                 entry["points"].append({"batch": batch, "context": context, "bps": bps, "splits": splits,
                                         "us": ms * 1e3, "tbs": tbs})
-        new = [k for i, k in _cache_entries().items() if i not in before]
-        entry["kernel"] = _resources(new[0], w) if new else {}
+        entry["kernel"] = compiled.get((bh, bn, w, st, tm), {})
         res["configs"].append(entry)
         best = {}
         for p in entry["points"]:

@@ -201,14 +201,15 @@ def _row_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, state_offset: int,
-                      slot_bytes: int, scale: float, use_qk_l2norm: bool, *, block_v: int = 32,
+                      slot_bytes: int, scale: float, use_qk_l2norm: bool, *, block_v: int = 64,
                       num_warps: int = 4) -> torch.Tensor:
     """Triton launcher of :func:`kda_decode`: grid ``(B, H, V / block_v)``.
 
     q, k, v, g and beta may be strided views (e.g. heads split out of one projection) as long as their last
     dimension has stride 1 (otherwise they are copied). ``block_v`` (a power of two) and ``num_warps`` are
-    tuning knobs: the defaults are flash-linear-attention's for the same kernel shape, and
-    ``benchmarks/bench_kda.py --sweep`` times the others.
+    tuning knobs. Defaults 64 and 4: the fastest of block_v 16-128 x 1-8 warps at 32 heads, 128 x 128
+    (``benchmarks/bench_kda.py --sweep`` on an H200: 0.86-0.88 of the copy bandwidth in a CUDA graph, against
+    0.76 for flash-linear-attention's 32 / 4 and 0.78-0.81 for its own kernel; benchmarks/RESULTS.md).
     """
     _, h, dk, dv = _check_common("kda_decode", q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset,
                                  slot_bytes, lead=1)
