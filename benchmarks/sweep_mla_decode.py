@@ -6,8 +6,8 @@ page lookup (page size 1). Geometry and byte counting as in bench_mla_decode.py.
 usage: python benchmarks/sweep_mla_decode.py --out sweep.json [--budget-s 240] [--layouts heads,tokens]
 
 ``--layouts heads,tokens`` adds the token-major form of the kernel (``token_major=True``: the dots' M
-dimension is tokens / latent columns, wgmma-eligible on Hopper) to every variant. Next measurement for
-issue 4: ``--layouts heads,tokens --warps 4,8 --shapes 64x4096,128x4096,64x16384``.
+dimension is tokens / latent columns, wgmma-eligible on Hopper) to every variant; measured slower at 32
+heads on an H200 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def _mla_decode_split_kernel(
     # TOKEN_MAJOR computes the transposed products S^T = K Q^T ([BLOCK_N, BLOCK_H]) and O^T = K[:, :R]^T P^T
     # ([R, BLOCK_H]): the same math, but the dots' M dimension is BLOCK_N = 64 tokens and R instead of the
     # 32 heads, so on Hopper both can use wgmma (M >= 64 per warpgroup) where the head-major form
-    # (M = BLOCK_H = 32) falls back to mma.sync. Not yet measured on a GPU (benchmarks/RESULTS.md).
+    # (M = BLOCK_H = 32) falls back to mma.sync. Measured 15-18% slower than head-major at 32 heads on an H200
+    # (its softmax reduces over tokens, i.e. across warps, every tile): opt-in only (benchmarks/RESULTS.md).
     # The latent columns go as two halves (queries, tile loads, accumulators), so the first half's score
     # product can start while the second half is still arriving: whole [BLOCK_N, R] tiles measured
     # 3.2 TB/s against 3.3-3.5 at batch 256, context 4k on an H200 (separate runs:
@@ -326,7 +327,7 @@ def mla_decode_triton(
         partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (default
             fp32; 16-bit partials measured slower on an H200). The log-sum-exps are always fp32.
         token_major: compute the transposed products (tokens and latent columns as the dots' M
-            dimension, see the kernel); the same result. Off by default until measured on a GPU.
+            dimension, see the kernel); the same result. Off by default: 15-18% slower at 32 heads on an H200.
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
