@@ -4,12 +4,17 @@ under Inductor, with the same results as without the rewrites.
 - fp32, tiny Kimi-Linear and DeepSeek-V3: greedy tokens identical to the same model compiled without the
   passes (TF32 off everywhere); the Triton launchers are counted, so the rewritten graph provably runs
   them on every step.
-- bf16, the Kimi-Linear-48B geometry: teacher-forced logits (both models made to pick the same tokens)
-  within ``BF16_ATOL + BF16_RTOL * |logit|``: 2e-2 absolute plus one bf16 ulp (2^-7) of the logit. The
-  absorbed form sums in another order (notes/passes.md: about 1.5 bf16 ulp on logits; measured on the CPU
-  at this geometry: 0.016 with logits up to 4.6). The model uses dense MLPs: with top-k MoE routing a
-  1-ulp difference can pick another expert for one token and move its logits by ~0.4 (measured on the CPU
-  with the tiny DeepSeek-V3), which says nothing about attention.
+- bf16, the Kimi-Linear-48B geometry: teacher-forced logits (every model made to pick the same tokens)
+  measured against the fp32 truth (the stock transformers model with the same weights in fp32, eager): the
+  rewritten model is no further from it than the same model compiled without the rewrites, within
+  ``BF16_MEAN_SLACK`` on the mean and ``BF16_MAX_SLACK`` on the largest error. A direct bound between the
+  two bf16 models does not work: bf16 noise alone separates them by up to 0.04-0.07 (measured on an H200
+  at this geometry: stock bf16 eager vs our compiled model without rewrites 0.041; with vs without
+  rewrites 0.045 (aot_eager) / 0.067 (Inductor); each of them vs fp32: 0.093-0.098 max, 0.0144-0.0145 mean,
+  logits up to 4.6). A wrong attention (a dropped page, a bad scale) moves the mean error by far more than
+  10%. The model uses dense MLPs: with top-k MoE routing a 1-ulp difference can pick another expert for one
+  token and move its logits by ~0.4 (measured on the CPU with the tiny DeepSeek-V3), which says nothing
+  about attention.
 
 Four Inductor compiles in all (plus two aot_eager ones).
 """
@@ -27,7 +32,7 @@ from unimem_compile.ops import mla_decode as md  # noqa: E402
 from unimem_compile.ops import mla_write as mw  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-BF16_ATOL, BF16_RTOL = 2e-2, 2.0**-7
+BF16_MEAN_SLACK, BF16_MAX_SLACK = 1.10, 1.25
 MLA_LAYERS = {"kimi-linear-tiny": 2, "deepseek-v3-tiny": 3, "kimi-linear-48b-4l": 1}
 
 
@@ -112,13 +117,18 @@ def test_bf16_teacher_forced_logits_match_without_passes(name):
     new = 10
     plain = _compiled(name, torch.bfloat16, False, "inductor", new, dense=True)
     model = _compiled(name, torch.bfloat16, True, "inductor", new, dense=True)
+    truth = _model(name, torch.float32, dense=True)  # stock transformers, the same weights in fp32, eager
+    weights = plain.state_dict()
+    truth.load_state_dict({k: weights[k].float() for k in truth.state_dict()})
     ids, mask = _prompts(model.config.vocab_size)
     continuation = _greedy(plain, ids, mask, new)[:, ids.shape[1]:]
+    exact = teacher_forced_logits(truth, ids, mask, continuation)
     want = teacher_forced_logits(plain, ids, mask, continuation)
     got = teacher_forced_logits(model, ids, mask, continuation)
     assert model.unimem.rewrites["mla_absorb"] == MLA_LAYERS[name]
     assert got.isfinite().all()
-    excess = (got - want).abs() - (BF16_ATOL + BF16_RTOL * want.abs())
-    worst = excess.flatten().argmax()
-    assert excess.max() <= 0, (f"logit {want.flatten()[worst]:.4f} off by {(got - want).abs().flatten()[worst]:.4f}; "
-                               f"max |diff| {(got - want).abs().max():.4f}")
+    err_got, err_want = (got - exact).abs(), (want - exact).abs()
+    detail = (f"vs fp32: with rewrites mean {err_got.mean():.5f} max {err_got.max():.4f}, without mean "
+              f"{err_want.mean():.5f} max {err_want.max():.4f}; with vs without max {(got - want).abs().max():.4f}")
+    assert err_got.mean() <= BF16_MEAN_SLACK * err_want.mean(), detail
+    assert err_got.max() <= BF16_MAX_SLACK * err_want.max(), detail
