@@ -75,3 +75,25 @@ def test_capacity_quick_run_writes_json_and_plots_and_never_refuses_with_room(tm
     for png in ("capacity_occupancy.png", "capacity_comparison.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "unified / best static" in capsys.readouterr().out
+
+
+def test_capacity_sensitivity_reproduces_the_benchmark_trace_and_reports_each_size(tmp_path, capsys):
+    """--quick with n_long 3 is bench_capacity's quick phased trace: the same unified / best-static ratios,
+    to the last bit (the same simulations); a larger long-context phase is reported as its own row."""
+    pytest.importorskip("matplotlib")
+    bench = _script("bench_capacity")
+    cap = tmp_path / "cap.json"
+    assert bench.main(["--quick", "--jobs", "1", "--out", str(cap), "--plots", str(tmp_path)]) == 0
+    phased = json.loads(cap.read_text())["traces"]["phased"]
+    sens = _script("capacity_sensitivity")
+    out = tmp_path / "sens.json"
+    assert sens.main(["--quick", "--jobs", "1", "--n-long", "3", "6", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"3", "6"}
+    for metric in ("mean_concurrent", "mean_concurrent_loaded"):
+        row = rows["3"][metric]
+        assert row["ratio"] == phased[f"ratio_{metric}"]["unified/best_static"]
+        assert row["best_kv_fraction"] == phased[f"ratio_{metric}"]["best_kv_fraction"]
+        assert row["unified"] == phased["unified"][metric]
+        assert rows["6"][metric]["ratio"] == rows["6"][metric]["unified"] / rows["6"][metric]["best_static"]
+    assert "n_long    6" in capsys.readouterr().out
