@@ -23,14 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_mla_decode, also under python -P
-from bench_mla_decode import (
-    H,
-    Setup,
-    bench_graph,
-    effective_bytes,
-    md,
-    read_ceiling_tbs,
-)
+from bench_mla_decode import H, Setup, bench_graph, effective_bytes, md, read_ceiling_tbs  # noqa: E402
 
 
 def _cache_entries():
@@ -85,7 +78,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     setup = Setup(max(b * c for b, c in shapes))
     sm_scale = 192 ** -0.5
-    ints = lambda text: [int(v) for v in text.split(",")]
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     layouts = {"heads": False, "tokens": True}
     variants = [(bh, bn, w, st, layouts[lay]) for bh in ints(args.block_h) for bn in ints(args.block_n)
                 for w in ints(args.warps) for st in ints(args.stages) for lay in args.layouts.split(",")]
