@@ -116,6 +116,8 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
         budget = int(_free_device_bytes(device) * memory_budget)
     else:
         budget = memory_budget
+        if budget <= 0:
+            raise GeometryError(f"memory_budget must be a positive number of bytes, got {budget}")
     if budget < one_row.memory_budget:
         raise GeometryError(
             f"memory_budget of {budget} bytes cannot hold one request of max_seq_len={max_seq_len} tokens "
@@ -147,6 +149,19 @@ def _own_entry(fn, tag: int):
 def _cache_kwarg(model) -> str:
     params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _generation_setting(model, kwargs, name: str, default):
+    """A generate() setting as transformers resolves it: the call's keyword, else its generation_config's."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _requires_grad(model) -> bool:
+    return any(p.requires_grad for p in model.parameters())
 
 
 def _max_total_length(model, args, kwargs, prompt_len: int) -> int | None:
@@ -224,6 +239,11 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
 
     @functools.wraps(model.forward)
     def forward(*args, **kwargs):
+        if torch.is_grad_enabled() and adapter.state_spec is not None and _requires_grad(model):
+            raise UnsupportedModel(
+                "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
+                "under torch.no_grad() or torch.inference_mode() (generate() does)"
+            )
         with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
@@ -264,20 +284,42 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             raise UnsupportedModel(f"input_ids are on {input_ids.device} but the model and its pool are on "
                                    f"{pool.device}")
         batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
-        if batch > max_batch_size:
-            raise GeometryError(f"batch of {batch} rows is larger than max_batch_size={max_batch_size}")
+        beams = int(_generation_setting(model, kwargs, "num_beams", 1))
+        if beams > 1:
+            raise UnsupportedModel(f"beam search (num_beams={beams}) is not supported by a model compiled by "
+                                   "unimem_compile; use greedy decoding or sampling")
+        if _generation_setting(model, kwargs, "use_cache", True) is False:
+            raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
+                                   "decodes from its UnifiedCache")
+        sequences = int(_generation_setting(model, kwargs, "num_return_sequences", 1))
+        rows = batch * sequences  # generate() repeats each prompt num_return_sequences times before prefill
+        if rows > max_batch_size:
+            detail = f" x num_return_sequences={sequences} = {rows} rows" if sequences > 1 else " rows"
+            raise GeometryError(f"batch of {batch}{detail} is larger than max_batch_size={max_batch_size}")
+        if given is not None and given.num_rows != rows:
+            raise GeometryError(f"the UnifiedCache passed holds {given.num_rows} rows, this generate() call needs "
+                                f"{rows} (batch {batch} x num_return_sequences {sequences})")
         total = _max_total_length(model, args, kwargs, prompt)
         if total is not None and total > max_seq_len:
             raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
                                 f"than max_seq_len={max_seq_len}")
-        cache = given if given is not None else handle.new_cache(batch)
+        cache = given if given is not None else handle.new_cache(rows)
         kwargs[cache_key] = cache
         kwargs.setdefault("disable_compile", True)
         try:
-            return original_generate(*args, **kwargs)
+            out = original_generate(*args, **kwargs)
+        except BaseException as e:
+            # a step that failed half way leaves page tables and states that no longer match the cached
+            # tokens: a cache the caller passed is released (not silently continued from); ours always is
+            if given is not None:
+                given.release(reason=f"generate() raised {type(e).__name__} while using it")
+            raise
         finally:
             if given is None:
                 cache.release()
+        if given is not None:
+            given.finish_generate()
+        return out
 
     model.forward = forward
     model.prepare_inputs_for_generation = prepare_inputs_for_generation

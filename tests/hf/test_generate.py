@@ -131,6 +131,48 @@ def test_force_eager_runs_the_same_cache_path():
     assert model.unimem.passes.graphs == 0
 
 
+def test_generate_continues_from_a_cache_it_was_given(pair):
+    """A second generate() given the same UnifiedCache and the returned sequences (plus a few new prompt
+    tokens) continues from the cached tokens exactly as stock transformers does with a DynamicCache, and
+    equals a fresh run over the whole sequence."""
+    from transformers import DynamicCache
+
+    from unimem_compile.compile import _cache_kwarg
+
+    stock, model, _ = pair
+    key = _cache_kwarg(stock)  # "cache" in recent transformers, "past_key_values" in older ones
+    ids, _ = prompts([12, 12], seed=21)
+    extra = torch.randint(3, 1024, (2, 5), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        dynamic = DynamicCache(config=stock.config)
+        first = stock.generate(ids, max_new_tokens=6, do_sample=False, **{key: dynamic})
+        want = stock.generate(torch.cat([first, extra], 1), max_new_tokens=4, do_sample=False, **{key: dynamic})
+        fresh = stock.generate(torch.cat([first, extra], 1), max_new_tokens=4, do_sample=False)
+        cache = model.unimem.new_cache(2)
+        got_first = model.generate(ids, max_new_tokens=6, do_sample=False, **{key: cache})
+        assert torch.equal(got_first, first)
+        assert int(cache.get_seq_length()) == first.shape[1] - 1  # every token but the last one generated
+        got = model.generate(torch.cat([got_first, extra], 1), max_new_tokens=4, do_sample=False, **{key: cache})
+    assert torch.equal(want, fresh) and torch.equal(got, want)
+    assert model.unimem.stats()["kv_pages_used"] > 0  # the caller's cache keeps its pages until released
+    cache.release()
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def test_num_return_sequences_samples_like_stock(pair):
+    stock, model, _ = pair
+    ids, mask = prompts([10, 7], seed=13)
+    kw = dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=6)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        want = stock.generate(ids, attention_mask=mask, **kw)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, **kw)
+    assert got.shape[0] == 4 and torch.equal(got, want)
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.fixture(scope="module")
 def small():
@@ -234,3 +276,54 @@ def test_right_padding_is_refused_with_nothing_leaked(small):
     with pytest.raises(GeometryError, match="only left padding is supported"):
         small.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_beam_search_and_use_cache_false_are_refused_by_name(small):
+    ids, mask = prompts([5, 4], seed=3)
+    with pytest.raises(UnsupportedModel, match=r"beam search \(num_beams=2\) is not supported"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2)
+    with pytest.raises(UnsupportedModel, match="use_cache=False is not supported"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, use_cache=False)
+    with pytest.raises(GeometryError, match=r"batch of 2 x num_return_sequences=2 = 4 rows is larger than "
+                                            r"max_batch_size=2"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
+    cache = small.unimem.new_cache(1)
+    with pytest.raises(GeometryError, match=r"the UnifiedCache passed holds 1 rows, this generate\(\) call needs 2"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
+    cache.release()
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_failed_generate_releases_the_cache_it_was_given(small):
+    """A step that fails half way leaves tables that no longer match the cached tokens: the caller's cache is
+    released (its memory returned) and a later use says why, instead of continuing from corrupt state."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Boom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] >= 9:
+                raise RuntimeError("stop here")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ids, mask = prompts([6, 6], seed=4)
+    cache = small.unimem.new_cache(2)
+    with pytest.raises(RuntimeError, match="stop here"), torch.no_grad():
+        small.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+                       stopping_criteria=StoppingCriteriaList([Boom()]))
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+    with pytest.raises(UnsupportedModel, match=r"released \(generate\(\) raised RuntimeError while using it\)"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
+
+
+def test_a_forward_with_gradients_on_is_refused_with_the_fix(small):
+    ids, _ = prompts([4], seed=6)
+    with pytest.raises(UnsupportedModel, match=r"inference only.*torch.no_grad\(\)"):
+        small(ids)
+    assert small.unimem.stats()["kv_pages_used"] == 0
+
+
+def test_a_negative_memory_budget_is_refused():
+    model = build_model("kimi-linear-tiny")
+    with pytest.raises(GeometryError, match="memory_budget must be a positive number of bytes, got -5"):
+        unimem_compile.compile(model, max_batch_size=1, max_seq_len=16, memory_budget=-5)
+    assert not hasattr(model, "unimem")

@@ -272,6 +272,7 @@ class UnifiedCache(Cache):
             layers[i] = KDACacheLayer(self, state_layer)
         super().__init__(layers=layers)
         self.released = False
+        self.released_because: str | None = None
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -283,7 +284,9 @@ class UnifiedCache(Cache):
             attention_mask: ``[B, total]`` 2-D padding mask or None (no padding).
         """
         if self.released:
-            raise UnsupportedModel("this UnifiedCache was released; create a new one with model.unimem.new_cache()")
+            why = f" ({self.released_because})" if self.released_because else ""
+            raise UnsupportedModel(f"this UnifiedCache was released{why}; create a new one with "
+                                   "model.unimem.new_cache()")
         batch, total = int(input_ids.shape[0]), int(input_ids.shape[1])
         if batch != self.num_rows:
             raise GeometryError(f"this cache holds {self.num_rows} rows, the step has {batch}")
@@ -436,6 +439,7 @@ class UnifiedCache(Cache):
         """Free every page and slot and start over empty (the cache stays usable)."""
         self._free()
         self.released = False
+        self.released_because = None
         self.buffers.in_use = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -456,13 +460,22 @@ class UnifiedCache(Cache):
         self.seq_length.fill_(0)
         self.write_loc = self.buffers.decode_loc
 
-    def release(self) -> None:
-        """Return every page and slot to the pool; the cache cannot be used afterwards (idempotent)."""
+    def release(self, reason: str | None = None) -> None:
+        """Return every page and slot to the pool; the cache cannot be used afterwards (idempotent).
+
+        ``reason`` (optional) is quoted by the error a later use of the cache raises."""
         if self.released:
             return
         self._free()
         self.buffers.in_use = False
         self.released = True
+        self.released_because = reason
+
+    def finish_generate(self) -> None:
+        """End of a generate() call that used this cache: every cached token now counts as past, so
+        ``get_seq_length()`` is the number of tokens cached and a later ``generate()`` given this cache and
+        the returned sequences continues from them (transformers feeds only the tokens past that length)."""
+        self.seq_length.fill_(self.logical_len)
 
     def __repr__(self) -> str:
         return (f"UnifiedCache(batch_size={self.num_rows}, max_seq_len={self.max_seq_len}, "
