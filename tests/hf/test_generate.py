@@ -273,7 +273,8 @@ def test_unsupported_family_lists_the_supported_ones():
 def test_right_padding_is_refused_with_nothing_leaked(small):
     ids, mask = prompts([6, 6], seed=9)
     mask[1, -2:] = 0  # right padding
-    with pytest.raises(GeometryError, match="only left padding is supported"):
+    with pytest.raises(GeometryError, match="only left padding is supported: row 1 has a pad at position 4, after "
+                                            "its first token at position 0"):
         small.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
@@ -327,3 +328,11 @@ def test_a_negative_memory_budget_is_refused():
     with pytest.raises(GeometryError, match="memory_budget must be a positive number of bytes, got -5"):
         unimem_compile.compile(model, max_batch_size=1, max_seq_len=16, memory_budget=-5)
     assert not hasattr(model, "unimem")
+
+
+def test_a_row_of_padding_only_is_named(small):
+    ids, mask = prompts([6, 6], seed=10)
+    mask[0] = 0
+    with pytest.raises(GeometryError, match=r"row 0 of the batch consists of padding only \(6 pads\)"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0

@@ -322,7 +322,9 @@ class UnifiedCache(Cache):
             self.buffers.out_offset.copy_(pads.to(torch.int32))
         else:
             if mask is not None and not bool(mask[:, -new:].all()):
-                raise GeometryError("padding after the first step (right padding or mid-sequence pads) is not supported")
+                row = int(torch.nonzero(~mask[:, -new:].all(-1))[0])
+                raise GeometryError(f"padding after the first step (right padding or mid-sequence pads) is not "
+                                    f"supported: row {row} has pads among its {new} new tokens")
             if self.page_tables is not None:
                 self._write_locations(new, [n + new for n in self.page_tables.lengths])
         self.seq_length.fill_(self.logical_len)
@@ -336,9 +338,14 @@ class UnifiedCache(Cache):
         positions = torch.arange(total)
         expected = positions[None, :] >= pads[:, None]
         if not torch.equal(mask, expected):
-            raise GeometryError("only left padding is supported: a row's pad positions must all come first")
+            row = int(torch.nonzero((mask != expected).any(-1))[0])
+            first_token = int(torch.nonzero(mask[row])[0])
+            stray = int(torch.nonzero(~mask[row, first_token:])[0]) + first_token
+            raise GeometryError(f"only left padding is supported: row {row} has a pad at position {stray}, after "
+                                f"its first token at position {first_token}")
         if bool((pads == total).any()):
-            raise GeometryError("a row of the batch consists of padding only")
+            row = int(torch.nonzero(pads == total)[0])
+            raise GeometryError(f"row {row} of the batch consists of padding only ({total} pads)")
         return pads
 
     def _write_locations(self, new: int, new_lengths: list[int]) -> None:
