@@ -93,16 +93,20 @@ def test_pages_of_a_finished_generate_are_reused(pair):
     model.unimem.pool.allocator.check_invariants()
 
 
+def sampled(stock, model, ids, mask, seed, **kw):
+    """(stock tokens, compiled-model tokens) of one sampled generate() each, from the same torch seed."""
+    out = []
+    for m in (stock, model):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out.append(m.generate(ids, attention_mask=mask, do_sample=True, **kw))
+    return out
+
+
 def test_sampling_with_a_seed_matches_stock(pair):
     stock, model, _ = pair
     ids, mask = prompts([12, 9], seed=11)
-    kw = dict(do_sample=True, top_k=50, temperature=0.9, max_new_tokens=10)
-    torch.manual_seed(123)
-    with torch.no_grad():
-        want = stock.generate(ids, attention_mask=mask, **kw)
-    torch.manual_seed(123)
-    with torch.no_grad():
-        got = model.generate(ids, attention_mask=mask, **kw)
+    want, got = sampled(stock, model, ids, mask, 123, top_k=50, temperature=0.9, max_new_tokens=10)
     assert torch.equal(got, want)
 
 
@@ -162,13 +166,7 @@ def test_generate_continues_from_a_cache_it_was_given(pair):
 def test_num_return_sequences_samples_like_stock(pair):
     stock, model, _ = pair
     ids, mask = prompts([10, 7], seed=13)
-    kw = dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=6)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        want = stock.generate(ids, attention_mask=mask, **kw)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        got = model.generate(ids, attention_mask=mask, **kw)
+    want, got = sampled(stock, model, ids, mask, 5, top_k=20, num_return_sequences=2, max_new_tokens=6)
     assert got.shape[0] == 4 and torch.equal(got, want)
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
 
