@@ -18,7 +18,8 @@ class PoolExhausted(UnimemError):
 
     Attributes:
         requested: bytes the allocation asked for (whole pages or whole slots).
-        available: the free gap between the two sides, in bytes.
+        available: the free gap between the two sides, in bytes (it may end in a tail smaller than one
+            page or slot, which no allocation can use: the message says how many whole units fit).
         side: ``"kv"`` (pages) or ``"state"`` (slots): the side that asked.
         reclaimable: ``{"kv": bytes, "state": bytes}``: how many bytes compacting each side would add to
             the free gap (holes left by freed pages / slots).

@@ -122,6 +122,60 @@ def test_invalid_frees_raise_and_change_nothing(action, match):
     assert_unchanged(before, pool)
 
 
+@pytest.mark.parametrize(
+    "action, match",
+    [
+        (lambda p, pages: p.free_pages([1.9]), "a virtual kv id must be an integer, got float 1.9"),
+        (lambda p, pages: p.free_pages([pages[1], "2"]), "a virtual kv id must be an integer, got str '2'"),
+        (lambda p, pages: p.free_slots([True]), "a virtual state id must be an integer, got the bool True"),
+        (lambda p, pages: p.alloc_pages(True), "the number of kv ids to allocate must be an integer, got the bool"),
+        (lambda p, pages: p.alloc_slots(2.0), "the number of state ids to allocate must be an integer, got float"),
+        (lambda p, pages: p.compact("kv", [2.5]), "an in-flight physical kv id must be an integer"),
+    ],
+)
+def test_non_integer_ids_and_counts_are_refused_not_truncated(action, match):
+    pool = make_pool(poison=True)
+    pages = pool.alloc_pages(3)
+    pool.alloc_slots(1)
+    before = snapshot(pool)
+    with pytest.raises(TypeError, match=match):
+        action(pool, pages)
+    assert_unchanged(before, pool)
+
+
+def test_compact_both_refuses_a_flat_pin_list_and_out_of_range_pins():
+    """A flat list with side="both" used to pin nothing (a running step's pages moved): now refused."""
+    from unimem_compile.errors import GeometryError
+
+    pool = make_pool(n_pages=10)
+    pages = pool.alloc_pages(5)
+    pool.free_pages(pages[:3])  # holes above the two live pages: compaction would move them
+    live = [int(pool.v2p[v]) for v in pages[3:]]
+    before = snapshot(pool)
+    with pytest.raises(GeometryError, match=r"compact\('both'\) takes in_flight as \{'kv'.*flat list of 2 ids"):
+        pool.compact("both", live)
+    with pytest.raises(GeometryError, match=r"in-flight physical kv id 9999 is out of range \[0, "):
+        pool.compact("kv", [9999])
+    with pytest.raises(GeometryError, match=r"in_flight keys must be 'kv' and/or 'state', got \['pages'\]"):
+        pool.compact("both", {"pages": live})
+    assert_unchanged(before, pool)
+    pool.compact("both", {"kv": live})
+    assert [int(pool.v2p[v]) for v in pages[3:]] == live  # pinned pages stayed
+    assert pool.compact("kv")  # unpinned, the same pages do move: the pins above were what held them
+    assert [int(pool.v2p[v]) for v in pages[3:]] != live
+
+
+def test_a_pool_without_a_side_says_so():
+    from unimem_compile.errors import GeometryError
+
+    pool = UnifiedPool(ArenaLayout.for_capacity(None, STATE, 4, 0, 2))
+    with pytest.raises(GeometryError, match="this pool has no kv side: its layout holds no KV pages"):
+        pool.alloc_pages(1)
+    with pytest.raises(GeometryError, match="this pool has no kv side"):
+        pool.free_pages([1])
+    assert pool.alloc_pages(0) == [] and len(pool.alloc_slots(2)) == 2
+
+
 def test_double_free_is_told_apart_from_never_allocated():
     pool = make_pool()
     pages = pool.alloc_pages(2)
@@ -266,6 +320,28 @@ def test_page_tables_reject_rows_longer_than_the_table():
     pt = PageTables(pool, max_batch_size=2, max_pages_per_row=2)
     with pytest.raises(GeometryError, match="would hold 9 tokens, more than max_pages_per_row=2 x page_size=4 = 8"):
         pt.grow([1], [9])
+    assert pool.allocator.pages_used == 0
+
+
+def test_page_tables_refuse_a_row_listed_twice_or_mismatched_lengths_before_allocating():
+    """Both used to allocate pages no row recorded (a leak release_all could not free) or shrink a row."""
+    from unimem_compile.errors import GeometryError
+
+    pool = make_pool(ps=4, n_pages=6, n_slots=1)
+    pt = PageTables(pool, max_batch_size=3, max_pages_per_row=4)
+    pt.grow([1], [5])
+    before, table, lengths = snapshot(pool), pt.page_table.clone(), pt.kv_len.clone()
+    with pytest.raises(GeometryError, match="row 0 is listed twice in one grow"):
+        pt.grow([0, 0], [2, 4])
+    with pytest.raises(GeometryError, match="row 1 is listed twice in one grow"):
+        pt.grow([1, 2, 1], [6, 2, 2])
+    with pytest.raises(GeometryError, match="grow\\(\\) got 2 rows but 1 new lengths"):
+        pt.grow([0, 2], [4])
+    with pytest.raises(GeometryError, match="grow\\(\\) got 3 rows but 2 new lengths"):
+        pt.grow([0, 1, 2], [4, 4])
+    assert_unchanged(before, pool)
+    assert torch.equal(pt.page_table, table) and torch.equal(pt.kv_len, lengths)
+    pt.release_all()
     assert pool.allocator.pages_used == 0
 
 

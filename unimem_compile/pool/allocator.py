@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InvalidFree, PoolExhausted
+from ..errors import GeometryError, InvalidFree, PoolExhausted
 from .layout import ArenaLayout
 
 __all__ = ["MultiEndedAllocator", "Move"]
@@ -182,6 +183,22 @@ class MultiEndedAllocator:
     def slots_used(self) -> int:
         return self.state.live
 
+    @staticmethod
+    def _as_int(value, what: str) -> int:
+        """``value`` as an int id or count; floats, strings and bools are refused rather than truncated."""
+        if isinstance(value, bool):
+            raise TypeError(f"{what} must be an integer, got the bool {value!r}")
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+    def _require(self, s: _Side, side: str) -> None:
+        if not s.unit_bytes:
+            kind = "KV pages (the model has no MLA layers)" if side == "kv" else "state slots (the model has no " \
+                "linear-attention layers)"
+            raise GeometryError(f"this pool has no {side} side: its layout holds no {kind}")
+
     def _side(self, side: str) -> _Side:
         if side == "kv":
             return self.kv
@@ -233,10 +250,12 @@ class MultiEndedAllocator:
             ValueError: ``n`` negative.
         """
         s = self._side(side)
+        n = self._as_int(n, f"the number of {side} ids to allocate")
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {side} ids ({n})")
         if n == 0:
             return []
+        self._require(s, side)
         holes, gap = len(s.hole_set), self._gap_capacity(s)
         if n > holes + gap or n > len(s.free_virtual):
             unit = "page" if s.grows_down else "slot"
@@ -295,7 +314,9 @@ class MultiEndedAllocator:
             InvalidFree: the sink (0), an id out of range, never allocated, already freed, or repeated.
         """
         s = self._side(side)
-        ids = [int(v) for v in ids]
+        ids = [self._as_int(v, f"a virtual {side} id") for v in ids]
+        if ids:
+            self._require(s, side)
         self._validate_free(s, ids)
         for v in ids:
             p = int(s.v2p[v])
@@ -331,7 +352,10 @@ class MultiEndedAllocator:
             the moves, in the order they were planned.
         """
         s = self._side(side)
-        pinned = {int(p) for p in in_flight}
+        pinned = {self._as_int(p, f"an in-flight physical {side} id") for p in in_flight}
+        bad = sorted(p for p in pinned if not 0 <= p < len(s.p2v))
+        if bad:
+            raise GeometryError(f"in-flight physical {side} id {bad[0]} is out of range [0, {len(s.p2v)})")
         movable = [p for p in s.live_physical() if p not in pinned]
         # KV: sources lowest first, destinations highest first; states: the mirror image
         if s.grows_down:

@@ -96,11 +96,16 @@ class PageTables:
         compaction made room for these pages must not move (a page allocation may compact either side).
 
         Raises:
-            GeometryError: a row out of range, a length below the row's current one, or above
-                ``max_pages_per_row * page_size``.
+            GeometryError: a row out of range or listed twice, ``rows`` and ``new_lengths`` of different
+                lengths, a length below the row's current one, or above ``max_pages_per_row * page_size``.
             PoolExhausted: the pages do not fit; no row changed.
         """
         rows, new_lengths = list(rows), [int(n) for n in new_lengths]
+        if len(rows) != len(new_lengths):
+            raise GeometryError(f"grow() got {len(rows)} rows but {len(new_lengths)} new lengths")
+        if len(set(rows)) != len(rows):
+            row = next(r for i, r in enumerate(rows) if r in rows[:i])
+            raise GeometryError(f"row {row} is listed twice in one grow()")
         for row, n in zip(rows, new_lengths):
             self._check_row(row)
             if n < self.lengths[row]:

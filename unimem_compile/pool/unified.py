@@ -194,7 +194,8 @@ class UnifiedPool:
         return self._alloc("kv", n, in_flight_pages, in_flight_slots)
 
     def free_pages(self, virtual_pages: Iterable[int]) -> None:
-        """Free virtual pages (they become tombstones). Raises InvalidFree with nothing freed."""
+        """Free virtual pages (they become tombstones). Raises InvalidFree (TypeError for a non-integer id)
+        with nothing freed."""
         self._free("kv", virtual_pages)
 
     # ------------------------------------------------------------------ slots
@@ -215,7 +216,7 @@ class UnifiedPool:
         self._free("state", virtual_slots)
 
     def _free(self, side: str, virtual_ids: Iterable[int]) -> None:
-        ids = [int(v) for v in virtual_ids]
+        ids = [self.allocator._as_int(v, f"a virtual {side} id") for v in virtual_ids]
         table = self.allocator.kv.v2p if side == "kv" else self.allocator.state.v2p
         phys = [int(table[v]) for v in ids if 0 < v < len(table)]
         self.allocator.free(side, ids)  # validates everything first: raises with nothing freed
@@ -245,13 +246,29 @@ class UnifiedPool:
         Args:
             side: "kv", "state" or "both".
             in_flight: PHYSICAL ids that must not move (pages for "kv", slots for "state"; for "both" give
-                ``{"kv": [...], "state": [...]}``).
+                ``{"kv": [...], "state": [...]}``; a flat list with "both" is refused).
+
+        Raises:
+            GeometryError: a flat ``in_flight`` list with "both", unknown keys, or an id out of range.
+            TypeError: a non-integer id.
 
         Returns:
             the moves made. Every live byte stays readable at its virtual id.
         """
+        if side not in ("kv", "state", "both"):
+            raise ValueError(f"side must be 'kv', 'state' or 'both', got {side!r}")
         sides = ("kv", "state") if side == "both" else (side,)
-        pinned = in_flight if isinstance(in_flight, dict) else {side: in_flight}
+        if isinstance(in_flight, dict):
+            unknown = sorted(set(in_flight) - {"kv", "state"})
+            if unknown:
+                raise GeometryError(f"in_flight keys must be 'kv' and/or 'state', got {unknown}")
+            pinned = in_flight
+        else:
+            in_flight = list(in_flight)
+            if side == "both" and in_flight:
+                raise GeometryError("compact('both') takes in_flight as {'kv': [physical pages], 'state': "
+                                    f"[physical slots]}}, got a flat list of {len(in_flight)} ids")
+            pinned = {side: in_flight}
         moves: list[Move] = []
         for s in sides:
             planned = self.allocator.plan_compaction(s, pinned.get(s, ()))
