@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import common
 
-__all__ = ["REWRITE_NAMES", "DUMP_ENV", "PassManager", "GraphRecord", "dump_dir"]
+__all__ = ["REWRITE_NAMES", "DUMP_ENV", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir"]
 
 log = logging.getLogger("unimem_compile.passes")
 
@@ -54,6 +54,25 @@ def dump_dir() -> Path | None:
     """Folder given by ``UNIMEM_DUMP_GRAPHS``: each graph is written there before and after the rewrites."""
     value = os.environ.get(DUMP_ENV)
     return Path(value) if value else None
+
+
+def check_dump_dir() -> Path | None:
+    """Create the ``UNIMEM_DUMP_GRAPHS`` folder (parents included) and check that it takes files; returns it.
+
+    Raises:
+        OSError: the folder cannot be created or written, with the variable's name and value in the message.
+    """
+    folder = dump_dir()
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".unimem_write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"{DUMP_ENV}={str(folder)!r}: cannot write graph dumps there ({type(e).__name__}: {e})") from e
+    return folder
 
 
 @dataclasses.dataclass
@@ -76,8 +95,8 @@ class PassManager(CustomGraphPass):
 
     Args:
         rewrites: the rewrite objects, in order (each with ``name`` and ``__call__(graph) -> int``).
-        enabled: names to run: True = all, False = none, or a collection of names (FROZEN names whose
-            rewrite does not exist yet are accepted and count 0).
+        enabled: names to run, among ``rewrites``' names: True = all of them, False = none, or a name or a
+            collection of names.
         keep_graphs: keep a :class:`GraphRecord` of every graph in :attr:`records` (for inspection and
             tests; costs a copy of each graph).
 
@@ -87,21 +106,25 @@ class PassManager(CustomGraphPass):
         records: the :class:`GraphRecord` list when ``keep_graphs`` is set.
 
     Raises:
-        ValueError: ``enabled`` names a rewrite that does not exist.
+        ValueError: ``enabled`` names a rewrite not among ``rewrites``.
+        TypeError: ``enabled`` is none of the forms above (e.g. None).
     """
 
     def __init__(self, rewrites: Sequence[Callable] = (), enabled: bool | Collection[str] = True,
                  keep_graphs: bool = False):
-        known = {r.name for r in rewrites} | set(REWRITE_NAMES)
+        known = {r.name for r in rewrites}
         if enabled is True:
             names = set(known)
         elif enabled is False:
             names = set()
-        else:
+        elif isinstance(enabled, str) or isinstance(enabled, Collection):
             names = {enabled} if isinstance(enabled, str) else set(enabled)
             unknown = names - known
             if unknown:
                 raise ValueError(f"unknown rewrite(s) {sorted(unknown)}; known: {sorted(known)}")
+        else:
+            raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
+                            f"names, got {enabled!r}")
         self.rewrites = [r for r in rewrites if r.name in names]
         self.enabled = frozenset(names)
         self.counts = {name: 0 for name in REWRITE_NAMES} | {r.name: 0 for r in rewrites}
@@ -115,10 +138,9 @@ class PassManager(CustomGraphPass):
         g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
         self.graphs += 1
         serial = next(_dump_serial)
-        folder = dump_dir()
+        folder = check_dump_dir()
         before = common.copy_graph(g) if self.keep_graphs else None
         if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
             (folder / f"graph{serial:03d}_before.py").write_text(g.python_code("self", verbose=True).src)
         counts = {}
         for rewrite in self.rewrites:
@@ -129,7 +151,7 @@ class PassManager(CustomGraphPass):
         if any(counts.values()):
             log.debug("graph %d: %s", self.graphs, counts)
         if folder is not None:
-            header = "".join(f"# {name}: {n}\n" for name, n in counts.items())
+            header = "".join(f"# {name}: {n}\n" for name, n in counts.items()) or "# no rewrites enabled\n"
             (folder / f"graph{serial:03d}_after.py").write_text(header + g.python_code("self", verbose=True).src)
         if before is not None:
             self.records.append(GraphRecord(before, g, counts))

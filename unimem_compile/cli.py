@@ -41,14 +41,18 @@ def _pool_info(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from .demo import format_report, run_demo
+    from .demo import DemoArgumentError, format_report, run_demo
 
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.device == "cuda" and not torch.cuda.is_available():
         print("unimem-compile demo: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    result = run_demo(args.model, args.device, dtype, new_tokens=args.new_tokens, backend=args.backend,
-                      page_size=args.page_size, passes=not args.no_passes, cudagraphs=args.cudagraphs)
+    try:
+        result = run_demo(args.model, args.device, dtype, new_tokens=args.new_tokens, backend=args.backend,
+                          page_size=args.page_size, passes=not args.no_passes, cudagraphs=args.cudagraphs)
+    except DemoArgumentError as e:  # refused before anything runs
+        print(f"unimem-compile demo: {e}", file=sys.stderr)
+        return 2
     texts = result.pop("_texts")
     if args.json:
         print(json.dumps(result, indent=2))

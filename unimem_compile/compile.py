@@ -211,11 +211,15 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             than one device, or a model compiled already.
         GeometryError: bad sizes, or a memory_budget too small for one request (the message gives the
             minimum).
+        ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms.
+        OSError: ``UNIMEM_DUMP_GRAPHS`` names a folder that cannot be created or written.
     """
     from unimem_compile.passes import make_pass_manager
+    from unimem_compile.passes.manager import check_dump_dir
 
     if hasattr(model, "unimem"):
         raise UnsupportedModel(f"{type(model).__name__} was compiled by unimem_compile already")
+    check_dump_dir()  # a bad UNIMEM_DUMP_GRAPHS fails here, not inside the first generate()'s compile
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("page_size", page_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise GeometryError(f"{name} must be a positive int, got {value!r}")

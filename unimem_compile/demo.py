@@ -115,15 +115,33 @@ def teacher_forced_logits(model, ids, mask, continuation) -> torch.Tensor:
     return torch.stack([step.float() for step in out.logits], 1)
 
 
+class DemoArgumentError(ValueError):
+    """A demo argument refused before anything runs."""
+
+
 def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: torch.dtype | None = None,
              new_tokens: int = 24, backend: str = "inductor", page_size: int = 16, passes=True,
              cudagraphs: bool = False, log=print) -> dict:
-    """Run the side-by-side comparison and return the ``demo --json`` object (DESIGN.md section 5)."""
+    """Run the side-by-side comparison and return the ``demo --json`` object (DESIGN.md section 5).
+
+    Raises:
+        DemoArgumentError (a ValueError): ``new_tokens`` below 2 (decode speed needs at least one decode step after the prefill
+            token), ``page_size`` not positive, or a ``backend`` torch.compile does not know; checked before
+            anything runs.
+    """
     import transformers
 
     import unimem_compile
     from unimem_compile.hf.models import build_model
 
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise DemoArgumentError(f"new_tokens must be an int >= 2 (one prefill token + at least one decode step), "
+                         f"got {new_tokens!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise DemoArgumentError(f"page_size must be a positive int, got {page_size!r}")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise DemoArgumentError(f"unknown torch.compile backend {backend!r}; known: {sorted(backends)}")
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     tok = ByteTokenizer()

@@ -53,7 +53,16 @@ class Capture:
 
     @property
     def decode(self) -> GraphRecord:
-        """The record of the decode graph (the last one compiled)."""
+        """The record of the decode graph (the last one compiled).
+
+        Raises:
+            ValueError: no decode graph was compiled (``new_tokens=1`` generates from the prefill alone).
+        """
+        from unimem_compile.passes.manager import is_decode_graph
+
+        if not self.records or not is_decode_graph(self.records[-1].after):
+            raise ValueError(f"no decode graph was compiled ({len(self.records)} graph(s) recorded, none with one "
+                             "token per row): capture with new_tokens >= 2")
         return self.records[-1]
 
 

@@ -33,3 +33,13 @@ def test_demo_json_has_the_design_keys_and_parity(model, capsys):
     assert r["model"] == model and r["device"] == "cpu" and r["dtype"] == "float32"
     assert r["pool"]["kv_pages_used"] == 0 and r["pool"]["kv_pages_peak"] > 0 and r["pool"]["state_slots_peak"] == 4
     assert r["tokens_per_s"] > 0 and r["reference_tokens_per_s"] > 0 and r["achieved_bandwidth_gbs"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--new-tokens", "1"], "new_tokens must be an int >= 2"),
+    (["--page-size", "0"], "page_size must be a positive int, got 0"),
+    (["--backend", "bogus"], "unknown torch.compile backend 'bogus'"),
+])
+def test_demo_refuses_bad_arguments_before_running_anything(args, message, capsys):
+    assert main(["demo", "--backend", "aot_eager", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -30,6 +30,17 @@ def test_enabled_names_select_rewrites_and_unknown_names_raise():
         make_pass_manager(["mla_absorbb"])
 
 
+def test_an_explicit_rewrite_list_enables_exactly_those_and_bad_forms_are_refused():
+    from unimem_compile.passes import MLAAbsorb
+
+    manager = PassManager([MLAAbsorb()])
+    assert manager.enabled == {"mla_absorb"} and "enabled=['mla_absorb']" in repr(manager)
+    with pytest.raises(ValueError, match=r"unknown rewrite\(s\) \['mla_write_fusion'\]; known: \['mla_absorb'\]"):
+        PassManager([MLAAbsorb()], enabled=["mla_write_fusion"])
+    with pytest.raises(TypeError, match="must be True, False, a rewrite name or a collection of names, got None"):
+        make_pass_manager(None)
+
+
 def test_uuid_is_stable_across_processes_and_depends_on_the_enabled_set():
     here = make_pass_manager(True).uuid()
     code = "from unimem_compile.passes import make_pass_manager; print(make_pass_manager(True).uuid())"

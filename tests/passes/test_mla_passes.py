@@ -483,6 +483,33 @@ def test_dump_folder_gets_each_graph_before_and_after(deepseek, tmp_path, monkey
     assert "unimem.mla_decode" in after.read_text() and "mla_gather" not in after.read_text()
 
 
+def test_dump_without_rewrites_says_so_and_a_bad_dump_folder_names_the_variable(deepseek, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNIMEM_DUMP_GRAPHS", str(tmp_path / "plain"))
+    make_pass_manager(False)(copy_graph(deepseek.decode.before))
+    (after,) = (tmp_path / "plain").glob("graph*_after.py")
+    assert after.read_text().startswith("# no rewrites enabled\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker, blocker / "sub"):
+        monkeypatch.setenv("UNIMEM_DUMP_GRAPHS", str(bad))
+        with pytest.raises(OSError, match=f"UNIMEM_DUMP_GRAPHS='{bad}': cannot write graph dumps there"):
+            make_pass_manager(True)(copy_graph(deepseek.decode.before))
+        import unimem_compile
+        from unimem_compile.hf.models import build_model
+
+        model = build_model("deepseek-v3-tiny")
+        with pytest.raises(OSError, match="UNIMEM_DUMP_GRAPHS="):  # at compile(), not at the first generate()
+            unimem_compile.compile(model, max_batch_size=1, max_seq_len=16, backend="aot_eager")
+        assert not hasattr(model, "unimem")
+
+
+def test_capture_decode_refuses_when_no_decode_graph_was_compiled():
+    one = capture("deepseek-v3-tiny", passes=["mla_absorb"], backend="aot_eager", prompt=PROMPT, new_tokens=1)
+    assert len(one.records) == 1
+    with pytest.raises(ValueError, match="no decode graph was compiled"):
+        one.decode  # noqa: B018 - the property raises
+
+
 # ---------------------------------------------------------------------------------------------- Inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("name, family", [("kimi-linear-tiny", "kimi"), ("deepseek-v3-tiny", "deepseek")])
