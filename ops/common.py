@@ -154,12 +154,16 @@ def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_
                         slot_bytes: int, align: int = 16) -> None:
     """Check a state section ``[byte_offset, byte_offset + nbytes)`` of a slot of pitch ``slot_bytes``.
 
-    Raises GeometryError when the pitch is not positive or not 16-byte aligned, the section is misaligned
+    Raises GeometryError when the arena does not start 16-byte aligned in its storage, the pitch is not
+    positive or not 16-byte aligned, the section is misaligned
     or does not lie inside the slot, ``len(s_v2p)`` slots do not fit in the arena, or the arena or s_v2p
     is not contiguous (kernels index both from their base pointer).
     """
     check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
     check_tensor(op, "s_v2p", s_v2p, dtype=torch.int64, dim=1, contiguous=True)
+    if arena.storage_offset() % align:
+        raise GeometryError(f"{op}: the arena must start {align}-byte aligned; it is a view starting at byte "
+                            f"{arena.storage_offset()} of its storage")
     if slot_bytes <= 0 or slot_bytes % align:
         raise GeometryError(f"{op}: slot_bytes must be a positive multiple of {align}, got {slot_bytes}")
     if byte_offset < 0 or byte_offset % align:

@@ -83,7 +83,10 @@ def _section_view(arena: torch.Tensor, num_slots: int, byte_offset: int, slot_by
     inner = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         inner[i] = inner[i + 1] * int(shape[i + 1])
-    return typed.as_strided((num_slots, *map(int, shape)), (slot_bytes // isz, *inner), byte_offset // isz)
+    # as_strided's offset counts from the start of the storage: an arena that is a view into a larger
+    # buffer starts typed.storage_offset() elements in
+    return typed.as_strided((num_slots, *map(int, shape)), (slot_bytes // isz, *inner),
+                            typed.storage_offset() + byte_offset // isz)
 
 
 def gather_sections(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, byte_offset: int,

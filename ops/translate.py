@@ -1,7 +1,8 @@
 """Ops ``unimem::translate_kv_loc(_out)`` and ``unimem::translate_kv_loc_dense(_out)``.
 
 Virtual token locations -> physical / dense row ids (formulas in ``unimem_compile.pool.translate``, which
-is the reference). Negative ids and tombstoned pages give 0, the sink. The ``_out`` forms write into a
+is the reference). Negative ids, ids on pages past the table and tombstoned pages give 0, the sink (the
+host reference alone raises IndexError for ids past the table). The ``_out`` forms write into a
 given int64 tensor, which may be the input itself, and keep its address (for CUDA graphs).
 """
 
@@ -81,13 +82,23 @@ def translate_kv_loc_dense_triton(
 
 
 # ---------------------------------------------------------------------------- declarations
+def _past_table_to_none(v2p: torch.Tensor, virt: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``virt`` with locations on pages past ``v2p`` replaced by -1, so the plain-torch path gives them the
+    sink (0) as the Triton kernel does, instead of the host reference's IndexError. A new tensor only when
+    one is past the table (``virt`` may also be the ``_out`` target)."""
+    past = virt >= v2p.numel() * page_size
+    return torch.where(past, -1, virt) if bool(past.any()) else virt
+
+
 @torch.library.custom_op("unimem::translate_kv_loc_dense", mutates_args=())
 def translate_kv_loc_dense(v2p: torch.Tensor, virt: torch.Tensor, page_size: int, kernel_page_multiplier: int) -> torch.Tensor:
     """Dense row ids ``v2p[t // ps] * (ps * kernel_page_multiplier) + t % ps`` (int64, ``virt``'s shape,
-    contiguous); 0 for negative ids and tombstoned pages (a GeometryError for ids >= 0 that are not on live
-    pages under ``UNIMEM_DEBUG=1``, as in the launcher). See ``unimem_compile.pool.translate``."""
+    contiguous); 0 for negative ids, ids past the table and tombstoned pages (a GeometryError for ids >= 0
+    that are not on live pages under ``UNIMEM_DEBUG=1``, as in the launcher). See
+    ``unimem_compile.pool.translate``."""
     _check("translate_kv_loc_dense", v2p, virt, page_size, kernel_page_multiplier, None)
-    return ref.translate_kv_loc_dense(v2p, virt, page_size, kernel_page_multiplier).contiguous()
+    return ref.translate_kv_loc_dense(v2p, _past_table_to_none(v2p, virt, page_size), page_size,
+                                     kernel_page_multiplier).contiguous()
 
 
 @translate_kv_loc_dense.register_kernel("cuda")
@@ -107,7 +118,8 @@ def translate_kv_loc_dense_out(
 ) -> None:
     """:func:`translate_kv_loc_dense` written into ``out`` (int64, ``virt``'s shape; may be ``virt``)."""
     _check("translate_kv_loc_dense_out", v2p, virt, page_size, kernel_page_multiplier, out)
-    ref.translate_kv_loc_dense(v2p, virt, page_size, kernel_page_multiplier, out=out)
+    ref.translate_kv_loc_dense(v2p, _past_table_to_none(v2p, virt, page_size), page_size, kernel_page_multiplier,
+                               out=out)
 
 
 @translate_kv_loc_dense_out.register_kernel("cuda")
@@ -125,7 +137,7 @@ def _(v2p, virt, page_size, kernel_page_multiplier, out):
 def translate_kv_loc(v2p: torch.Tensor, virt: torch.Tensor, page_size: int) -> torch.Tensor:
     """Physical token ids ``v2p[t // ps] * ps + t % ps`` (int64, ``virt``'s shape); 0 for the sink."""
     _check("translate_kv_loc", v2p, virt, page_size, 1, None)
-    return ref.translate_kv_loc(v2p, virt, page_size).contiguous()
+    return ref.translate_kv_loc(v2p, _past_table_to_none(v2p, virt, page_size), page_size).contiguous()
 
 
 @translate_kv_loc.register_kernel("cuda")
@@ -143,7 +155,7 @@ def _(v2p, virt, page_size):
 def translate_kv_loc_out(v2p: torch.Tensor, virt: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
     """:func:`translate_kv_loc` written into ``out`` (may be ``virt``)."""
     _check("translate_kv_loc_out", v2p, virt, page_size, 1, out)
-    ref.translate_kv_loc(v2p, virt, page_size, out=out)
+    ref.translate_kv_loc(v2p, _past_table_to_none(v2p, virt, page_size), page_size, out=out)
 
 
 @translate_kv_loc_out.register_kernel("cuda")

@@ -93,6 +93,31 @@ def test_scatter_changes_exactly_the_addressed_sections_of_live_lanes(conv_dtype
             assert torch.equal(arena, expected), f"section {i} via {scatter}"
 
 
+def test_an_arena_that_is_a_view_into_a_larger_buffer_is_addressed_from_the_view(gen):
+    """The plain-torch path used to address from the start of the whole buffer (as_strided counts from the
+    storage): it wrote outside the arena it was given. Both paths now write exactly what they write on a
+    standalone arena, inside the view, and nothing in front of it."""
+    pool, spec, ids, dead = _scattered_pool(torch.float16, gen)
+    lanes = _lanes(ids, dead)
+    off, shape, dtype = _sections(spec)[0]
+    value = torch.randn(lanes.numel(), *shape, generator=gen).to(dtype)
+    expected = pool.arena.clone()
+    torch.ops.unimem.state_scatter(expected, pool.s_v2p, lanes, value, off, spec.slot_bytes)
+    lead = 4096
+    for scatter, gather in ((torch.ops.unimem.state_scatter, torch.ops.unimem.state_gather),
+                            (st.state_scatter_triton, st.state_gather_triton)):
+        big = torch.randint(0, 256, (lead + pool.arena.numel(),), dtype=torch.uint8, generator=gen)
+        big[lead:] = pool.arena
+        front = big[:lead].clone()
+        scatter(big[lead:], pool.s_v2p, lanes, value, off, spec.slot_bytes)
+        assert torch.equal(big[:lead], front), f"{scatter} wrote in front of the arena"
+        assert torch.equal(big[lead:], expected), f"{scatter}"
+        back = gather(big[lead:], pool.s_v2p, lanes, off, spec.slot_bytes, shape, dtype)
+        assert torch.equal(back, gather(expected, pool.s_v2p, lanes, off, spec.slot_bytes, shape, dtype))
+    with pytest.raises(GeometryError, match="the arena must start 16-byte aligned; it is a view starting at byte 1"):
+        torch.ops.unimem.state_scatter(big[1:], pool.s_v2p, lanes, value, off, spec.slot_bytes)
+
+
 @pytest.mark.parametrize("shape,dtype,offset", [([3, 3], torch.float16, 16), ([5], torch.uint8, 32),
                                                 ([2, 3], torch.bfloat16, 48), ([7], torch.float32, 0)])
 def test_sections_of_any_byte_size_round_trip_bit_exactly(shape, dtype, offset, gen):

@@ -50,6 +50,19 @@ def test_ops_and_kernel_match_the_formula_with_negatives_and_tombstones(page_siz
     assert torch.equal(torch.ops.unimem.translate_kv_loc(pool.v2p, loc, page_size), _expected(pool, loc, 1))
 
 
+def test_locations_past_the_table_give_the_sink_on_both_paths():
+    """The plain-torch op used to raise IndexError (not a library error) where the kernel gives the sink."""
+    pool, pages = _pool_with_pages(4, 3)
+    live = pages[0] * 4 + 1
+    loc = torch.tensor([live, pool.v2p.numel() * 4, pool.v2p.numel() * 4 + 7, -1], dtype=torch.int64)
+    want = torch.tensor([int(pool.v2p[pages[0]]) * 4 + 1, 0, 0, 0])
+    assert torch.equal(torch.ops.unimem.translate_kv_loc(pool.v2p, loc, 4), want)
+    assert torch.equal(tr.translate_kv_loc_dense_triton(pool.v2p, loc, 4, 1), want)
+    out = loc.clone()
+    torch.ops.unimem.translate_kv_loc_out(pool.v2p, out, 4, out)
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_out_variants_may_alias_the_input_and_keep_its_address(page_size, gen):
     pool, pages = _pool_with_pages(page_size, 7)
