@@ -117,7 +117,7 @@ class PassManager(CustomGraphPass):
             names = set(known)
         elif enabled is False:
             names = set()
-        elif isinstance(enabled, str) or isinstance(enabled, Collection):
+        elif isinstance(enabled, Collection):  # a str is one too: a single name
             names = {enabled} if isinstance(enabled, str) else set(enabled)
             unknown = names - known
             if unknown:

@@ -165,11 +165,10 @@ def _requires_grad(model) -> bool:
 
 
 def _max_total_length(model, args, kwargs, prompt_len: int) -> int | None:
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    new = _generation_setting(model, kwargs, "max_new_tokens", None)
     if new is not None:
         return prompt_len + int(new)
-    length = kwargs.get("max_length", getattr(config, "max_length", None))
+    length = _generation_setting(model, kwargs, "max_length", None)
     return None if length is None else int(length)
 
 

@@ -125,9 +125,9 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     """Run the side-by-side comparison and return the ``demo --json`` object (DESIGN.md section 5).
 
     Raises:
-        DemoArgumentError (a ValueError): ``new_tokens`` below 2 (decode speed needs at least one decode step after the prefill
-            token), ``page_size`` not positive, or a ``backend`` torch.compile does not know; checked before
-            anything runs.
+        DemoArgumentError (a ValueError): ``new_tokens`` below 2 (decode speed needs at least one decode
+            step after the prefill token), ``page_size`` not positive, or a ``backend`` torch.compile does
+            not know; checked before anything runs.
     """
     import transformers
 
@@ -135,8 +135,8 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     from unimem_compile.hf.models import build_model
 
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
-        raise DemoArgumentError(f"new_tokens must be an int >= 2 (one prefill token + at least one decode step), "
-                         f"got {new_tokens!r}")
+        raise DemoArgumentError(f"new_tokens must be an int >= 2 (one prefill token + at least one decode "
+                                f"step), got {new_tokens!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise DemoArgumentError(f"page_size must be a positive int, got {page_size!r}")
     backends = torch._dynamo.list_backends(exclude_tags=())

@@ -195,8 +195,8 @@ class MultiEndedAllocator:
 
     def _require(self, s: _Side, side: str) -> None:
         if not s.unit_bytes:
-            kind = "KV pages (the model has no MLA layers)" if side == "kv" else "state slots (the model has no " \
-                "linear-attention layers)"
+            kind = ("KV pages (the model has no MLA layers)" if side == "kv"
+                    else "state slots (the model has no linear-attention layers)")
             raise GeometryError(f"this pool has no {side} side: its layout holds no {kind}")
 
     def _side(self, side: str) -> _Side:
@@ -304,11 +304,14 @@ class MultiEndedAllocator:
                     raise InvalidFree(f"virtual {what} {v} was already freed (double free)")
                 raise InvalidFree(f"virtual {what} {v} was never allocated")
 
-    def free(self, side: str, ids: Iterable[int]) -> None:
+    def free(self, side: str, ids: Iterable[int]) -> list[int]:
         """Free virtual ``ids`` of ``side``; validated first, so a bad id frees nothing.
 
         Each freed virtual id becomes a tombstone (``v2p[id] = -1``); its physical id becomes a hole, or
         goes back to the gap when it sits at the watermark.
+
+        Returns:
+            the physical ids that were freed, in the order of ``ids``.
 
         Raises:
             InvalidFree: the sink (0), an id out of range, never allocated, already freed, or repeated.
@@ -318,6 +321,7 @@ class MultiEndedAllocator:
         if ids:
             self._require(s, side)
         self._validate_free(s, ids)
+        freed = []
         for v in ids:
             p = int(s.v2p[v])
             s.v2p[v] = -1
@@ -325,9 +329,11 @@ class MultiEndedAllocator:
             s.freed[v] = True
             heapq.heappush(s.free_virtual, v)
             s.push_hole(p)
+            freed.append(p)
         s.live -= len(ids)
         s.shrink()
         self.version += 1
+        return freed
 
     def is_live(self, side: str, virtual_id: int) -> bool:
         """Whether ``virtual_id`` is currently allocated on ``side`` (0 is never live)."""

@@ -216,10 +216,7 @@ class UnifiedPool:
         self._free("state", virtual_slots)
 
     def _free(self, side: str, virtual_ids: Iterable[int]) -> None:
-        ids = [self.allocator._as_int(v, f"a virtual {side} id") for v in virtual_ids]
-        table = self.allocator.kv.v2p if side == "kv" else self.allocator.state.v2p
-        phys = [int(table[v]) for v in ids if 0 < v < len(table)]
-        self.allocator.free(side, ids)  # validates everything first: raises with nothing freed
+        phys = self.allocator.free(side, virtual_ids)  # validates everything first: raises with nothing freed
         if self.poison and phys:
             rows = self._page_rows() if side == "kv" else self._slot_rows()
             rows.index_fill_(0, torch.tensor(phys, device=self.device), POISON_BYTE)
