@@ -100,6 +100,18 @@ def _best(splits: dict[float, dict], metric: str) -> tuple[float, dict]:
     return f, eligible[f]
 
 
+def _fine_splits(splits: dict[str, dict[float, dict]]) -> set[tuple[str, float]]:
+    """(trace, KV fraction) pairs not yet simulated within +-0.04 (step 0.01) of the best coarse split of each
+    metric: the refinement step of the hindsight search."""
+    fine = set()
+    for t, by_fraction in splits.items():
+        for metric in ("mean_concurrent", "mean_concurrent_loaded"):
+            f0, _ = _best(by_fraction, metric)
+            fine |= {(t, round(f0 + d / 100, 2)) for d in range(-4, 5)
+                     if 0.05 <= f0 + d / 100 <= 0.95 and round(f0 + d / 100, 2) not in by_fraction}
+    return fine
+
+
 def run(args) -> dict:
     a = vars(args).copy()
     jobs = max(1, args.jobs)
@@ -117,13 +129,7 @@ def run(args) -> dict:
                 results.setdefault(t, {})[kind] = summary
                 if timeline is not None:
                     timelines[t] = timeline
-        # refine around the best coarse split of each metric
-        fine = set()
-        for t in TRACES if not args.quick else ():
-            for metric in ("mean_concurrent", "mean_concurrent_loaded"):
-                f0, _ = _best(splits[t], metric)
-                fine |= {(t, round(f0 + d / 100, 2)) for d in range(-4, 5)
-                         if 0.05 <= f0 + d / 100 <= 0.95 and round(f0 + d / 100, 2) not in splits[t]}
+        fine = _fine_splits(splits) if not args.quick else set()
         for (t, kind, f), summary, _ in pool.map(_run, [(t, "static", f, a) for t, f in sorted(fine)]):
             splits[t][f] = summary
 

@@ -38,12 +38,7 @@ def _simulate(names, grid, a, args) -> tuple[dict, dict]:
                 unified[t] = summary
             else:
                 splits[t][f] = summary
-        fine = set()
-        for t in names if not args.quick else ():
-            for metric in ("mean_concurrent", "mean_concurrent_loaded"):
-                f0, _ = bc._best(splits[t], metric)
-                fine |= {(t, round(f0 + d / 100, 2)) for d in range(-4, 5)
-                         if 0.05 <= f0 + d / 100 <= 0.95 and round(f0 + d / 100, 2) not in splits[t]}
+        fine = bc._fine_splits(splits) if not args.quick else set()
         for (t, kind, f), summary, _ in pool.map(bc._run, [(t, "static", f, a) for t, f in sorted(fine)]):
             splits[t][f] = summary
     return splits, unified
