@@ -3,11 +3,10 @@ of heads per program, BLOCK_N, warps, stages and split counts at several batch x
 each compiled variant's registers and shared memory; then the partial-output dtype and the per-token
 page lookup (page size 1). Geometry and byte counting as in bench_mla_decode.py.
 
-usage: python benchmarks/sweep_mla_decode.py --out sweep.json [--budget-s 240] [--layouts heads,tokens]
+usage: python benchmarks/sweep_mla_decode.py --out sweep.json [--budget-s 240]
 
-``--layouts heads,tokens`` adds the token-major form of the kernel (``token_major=True``: the dots' M
-dimension is tokens / latent columns, wgmma-eligible on Hopper) to every variant; measured slower at 32
-heads on an H200 (benchmarks/RESULTS.md).
+The token-major form of the kernel (``--layouts heads,tokens``) was measured with this script at commit
+8f210b6 and removed afterwards (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ def main() -> None:
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--bps", default="1,2,3,4", help="blocks per SM assumed by the split count")
-    ap.add_argument("--layouts", default="heads", help="heads,tokens: head-major and/or token-major products")
     args = ap.parse_args()
     t_start = time.time()
     res = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
@@ -79,9 +77,8 @@ def main() -> None:
     setup = Setup(max(b * c for b, c in shapes))
     sm_scale = 192 ** -0.5
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    layouts = {"heads": False, "tokens": True}
-    variants = [(bh, bn, w, st, layouts[lay]) for bh in ints(args.block_h) for bn in ints(args.block_n)
-                for w in ints(args.warps) for st in ints(args.stages) for lay in args.layouts.split(",")]
+    variants = [(bh, bn, w, st) for bh in ints(args.block_h) for bn in ints(args.block_n)
+                for w in ints(args.warps) for st in ints(args.stages)]
 
     # correctness first: ragged rows (1 token, a partial page, full pages) against the fp32 reference
     qn, qr, pt, kl = setup.inputs(4, 4096)
@@ -90,10 +87,10 @@ def main() -> None:
     want = md.mla_decode_reference(*a).float()
     bad = set()
     compiled = {}  # variant -> resources of its split kernel (compiled here, in the correctness pass)
-    for bh, bn, w, st, tm in variants:
+    for bh, bn, w, st in variants:
         before = _cache_entries()
         for splits in (1, 5):
-            cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, num_splits=splits, token_major=tm)
+            cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, num_splits=splits)
             try:
                 got = md.mla_decode_triton(*a, **cfg).float()
                 err = float((got - want).abs().max())
@@ -102,20 +99,20 @@ def main() -> None:
                 err, ok = repr(e)[:300], False
             res["correctness"].append({**cfg, "max_abs_err": err, "ok": ok})
             if not ok:
-                bad.add((bh, bn, w, st, tm))
+                bad.add((bh, bn, w, st))
                 print("FAILED", cfg, err, flush=True)
         new = [k for i, k in _cache_entries().items() if i not in before]
-        compiled[(bh, bn, w, st, tm)] = _resources(new[-1], w) if new else {}
+        compiled[(bh, bn, w, st)] = _resources(new[-1], w) if new else {}
     dump()
     print(f"correctness done ({len(bad)} bad variants) at {time.time() - t_start:.0f} s", flush=True)
 
-    for bh, bn, w, st, tm in variants:
-        if (bh, bn, w, st, tm) in bad:
+    for bh, bn, w, st in variants:
+        if (bh, bn, w, st) in bad:
             continue
         if time.time() - t_start > args.budget_s:
             print("budget exhausted", flush=True)
             break
-        entry = {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st, "token_major": tm, "points": []}
+        entry = {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st, "points": []}
         for batch, context in shapes:
             qn, qr, pt, kl = setup.inputs(batch, context)
             a = setup.args(qn, qr, pt, kl, sm_scale)
@@ -127,18 +124,18 @@ def main() -> None:
                     continue
                 seen.add(splits)
                 ms = bench_graph(lambda: md.mla_decode_triton(*a, block_h=bh, block_n=bn, num_warps=w,
-                                                              num_stages=st, num_splits=splits, token_major=tm))
+                                                              num_stages=st, num_splits=splits))
                 tbs = effective_bytes(batch, context) / ms / 1e9
                 entry["points"].append({"batch": batch, "context": context, "bps": bps, "splits": splits,
                                         "us": ms * 1e3, "tbs": tbs})
-        entry["kernel"] = compiled.get((bh, bn, w, st, tm), {})
+        entry["kernel"] = compiled.get((bh, bn, w, st), {})
         res["configs"].append(entry)
         best = {}
         for p in entry["points"]:
             key = (p["batch"], p["context"])
             if p["tbs"] > best.get(key, (0, 0))[0]:
                 best[key] = (p["tbs"], p["splits"])
-        print(f"bh={bh} bn={bn} w={w} st={st} token_major={tm} {entry['kernel']} "
+        print(f"bh={bh} bn={bn} w={w} st={st} {entry['kernel']} "
               + " ".join(f"{b}x{c}:{v:.2f}/{s}" for (b, c), (v, s) in best.items()), flush=True)
         dump()
 
@@ -147,8 +144,7 @@ def main() -> None:
         for p in entry["points"]:
             key = f"{p['batch']}x{p['context']}"
             if key not in summary or p["tbs"] > summary[key]["tbs"]:
-                summary[key] = {**{k: entry[k] for k in ("block_h", "block_n", "num_warps", "num_stages",
-                                                         "token_major")},
+                summary[key] = {**{k: entry[k] for k in ("block_h", "block_n", "num_warps", "num_stages")},
                                 "splits": p["splits"], "bps": p["bps"], "tbs": p["tbs"]}
     res["best"] = summary
     for k, v in summary.items():

@@ -116,14 +116,9 @@ def _mla_decode_split_kernel(
     stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
     R: tl.constexpr, DR: tl.constexpr, PS: tl.constexpr, L: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_HALF: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SPLIT: tl.constexpr, PAGE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    SPLIT: tl.constexpr, PAGE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # program (head group g, row b, split s): tokens [start, end) of row b for heads g*BLOCK_H + [0, BLOCK_H).
-    # TOKEN_MAJOR computes the transposed products S^T = K Q^T ([BLOCK_N, BLOCK_H]) and O^T = K[:, :R]^T P^T
-    # ([R, BLOCK_H]): the same math, but the dots' M dimension is BLOCK_N = 64 tokens and R instead of the
-    # 32 heads, so on Hopper both can use wgmma (M >= 64 per warpgroup) where the head-major form
-    # (M = BLOCK_H = 32) falls back to mma.sync. Measured 15-18% slower than head-major at 32 heads on an H200
-    # (its softmax reduces over tokens, i.e. across warps, every tile): opt-in only (benchmarks/RESULTS.md).
     # The latent columns go as two halves (queries, tile loads, accumulators), so the first half's score
     # product can start while the second half is still arriving: whole [BLOCK_N, R] tiles measured
     # 3.2 TB/s against 3.3-3.5 at batch 256, context 4k on an H200 (separate runs:
@@ -153,15 +148,8 @@ def _mla_decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if TOKEN_MAJOR:
-        q0t = tl.trans(q0)  # [R_HALF, BLOCK_H]
-        q1t = tl.trans(q1)
-        qrt = tl.trans(qr)
-        acc0t = tl.zeros([R_HALF, BLOCK_H], tl.float32)
-        acc1t = tl.zeros([R_HALF, BLOCK_H], tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
-        acc1 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
     # the next tile's page lookup is issued one iteration ahead, so its two dependent table loads overlap
     # the current tile's KV load instead of stalling in front of it
@@ -179,39 +167,22 @@ def _mla_decode_split_kernel(
         k0 = tl.load(base + c0[None, :], mask=t_ok[:, None] & c0_ok[None, :], other=0.0)
         k1 = tl.load(base + c1[None, :], mask=t_ok[:, None] & c1_ok[None, :], other=0.0)
         kr = tl.load(base + R + cr[None, :], mask=t_ok[:, None] & cr_ok[None, :], other=0.0)
-        if TOKEN_MAJOR:
-            st = tl.dot(k0, q0t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
-            st = tl.dot(k1, q1t, st, input_precision=DOT_PRECISION)
-            st = tl.dot(kr, qrt, st, input_precision=DOT_PRECISION)
-            st = tl.where(t_ok[:, None], st * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, 0))
-            alpha = tl.exp2(m_i - m_new)
-            pt = tl.exp2(st - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(pt, 0)
-            ptk = pt.to(kv_ty)
-            acc0t = tl.dot(tl.trans(k0), ptk, acc0t * alpha[None, :], input_precision=DOT_PRECISION)
-            acc1t = tl.dot(tl.trans(k1), ptk, acc1t * alpha[None, :], input_precision=DOT_PRECISION)
-        else:
-            qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
-            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
-            qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
-            qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pk = p.to(kv_ty)
-            acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
-            acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
+        qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pk = p.to(kv_ty)
+        acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
+        acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
-    if TOKEN_MAJOR:
-        o0 = tl.trans(acc0t / l_safe[None, :])  # [BLOCK_H, R_HALF]
-        o1 = tl.trans(acc1t / l_safe[None, :])
-    else:
-        o0 = acc0 / l_safe[:, None]
-        o1 = acc1 / l_safe[:, None]
+    o0 = acc0 / l_safe[:, None]
+    o1 = acc1 / l_safe[:, None]
     ok0 = h_ok[:, None] & c0_ok[None, :]
     ok1 = h_ok[:, None] & c1_ok[None, :]
     if SPLIT:
@@ -313,7 +284,7 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
     qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-    partial_dtype: torch.dtype | None = None, token_major: bool = False,
+    partial_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
@@ -327,8 +298,6 @@ def mla_decode_triton(
         partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (default
             fp32: bf16 partials measured 2-3% faster on an H200 in the third session's sweeps but slower in
             an earlier run, and add a rounding). The log-sum-exps are always fp32.
-        token_major: compute the transposed products (tokens and latent columns as the dots' M
-            dimension, see the kernel); the same result. Off by default: 15-18% slower at 32 heads on an H200.
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -384,7 +353,7 @@ def mla_decode_triton(
         BLOCK_H=block_h, BLOCK_N=block_n, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
         BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
         SPLIT=splits > 1, PAGE_TILE=page_tile, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
-        TOKEN_MAJOR=bool(token_major), num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_decode_merge_kernel[(B, H)](

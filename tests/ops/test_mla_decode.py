@@ -238,20 +238,3 @@ def test_bad_inputs_raise_specific_errors(gen):
         call(a7=3)
     with pytest.raises(ValueError, match="block_n"):
         md.mla_decode_triton(*args, block_n=24)
-
-
-@pytest.mark.parametrize("page_size,lens", [(1, [37, 1, 0, 20]), (64, [130, 1, 0, 64])])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_token_major_products_give_the_same_attention(page_size, lens, dtype, num_splits, gen):
-    """The transposed (token-major) form of the kernel against the float64 dense softmax and against the
-    head-major form, on ragged rows including an empty one and a tile past kv_len."""
-    paged = Paged(page_size, lens, dtype, gen)
-    qn, qr = paged.queries(gen)
-    want = dense_attention(qn, qr, paged.truth)
-    got = md.mla_decode_triton(*paged.args(qn, qr), num_splits=num_splits, token_major=True)
-    heads = md.mla_decode_triton(*paged.args(qn, qr), num_splits=num_splits)
-    assert got.dtype == dtype and got.shape == (len(lens), H, R) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(got, heads, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(got[2], torch.zeros_like(got[2]))  # kv_len 0
