@@ -92,6 +92,15 @@ def test_split_count_does_not_change_the_result(num_splits, gen):
     torch.testing.assert_close(got.double(), dense_attention(qn, qr, paged.truth), atol=2e-5, rtol=2e-5)
 
 
+def test_many_splits_of_one_tile_each(gen):
+    # 12 splits of 16-token tiles: rows of 192 and 190 tokens use all 12 (row 1's last tile partial), the
+    # 37-token row 3 of them (16 tokens each, the last 5): the merge combines up to 12 partials per head
+    paged = Paged(16, [192, 37, 190], torch.float32, gen, spare_pages=2)
+    qn, qr = paged.queries(gen)
+    got = md.mla_decode_triton(*paged.args(qn, qr), num_splits=12, block_n=16)
+    torch.testing.assert_close(got.double(), dense_attention(qn, qr, paged.truth), atol=2e-5, rtol=2e-5)
+
+
 def test_tiles_spanning_several_small_pages_and_multiple_tiles_per_split(gen):
     paged = Paged(4, [61, 9, 33], torch.float16, gen)
     qn, qr = paged.queries(gen)
