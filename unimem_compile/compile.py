@@ -11,8 +11,9 @@ What it does to the model instance (the class is untouched):
 * ``model.prepare_inputs_for_generation`` first prepares the step eagerly (allocation, locations) — it
   runs before every forward and before transformers builds the attention mask;
 * ``model.generate`` creates a :class:`~unimem_compile.hf.cache.UnifiedCache` for the batch, passes it
-  with ``disable_compile=True`` (transformers must not compile ``__call__`` behind our back), and frees
-  its pages and slots when generation returns;
+  with ``disable_compile=True`` (transformers must not compile ``__call__`` behind our back), lets
+  transformers read the stop flag one step late on it (on CUDA; ``deferred_stop_check``), and frees its
+  pages and slots when generation returns;
 * ``model.unimem`` is the :class:`UnimemHandle`.
 """
 
@@ -41,6 +42,8 @@ class UnimemHandle:
         adapter: how the model's layers map onto the pool.
         max_batch_size, max_seq_len: the limits given to ``compile``.
         passes: the :class:`~unimem_compile.passes.PassManager` applied to this model's graphs.
+        deferred_stop_check: whether generate() lets transformers read its stop flag one step late on the
+            caches it creates (see ``compile``).
     """
 
     def __init__(self, model, adapter: ModelAdapter, pool: UnifiedPool, max_batch_size: int, max_seq_len: int,
@@ -51,8 +54,26 @@ class UnimemHandle:
         self.max_seq_len = max_seq_len
         self.passes = passes
         self.max_pages_per_row = math.ceil(max_seq_len / pool.layout.page_size)
+        self._deferred_stop_check = False
         self._buffers: dict[int, StepBuffers] = {}
         self._model_name = type(model).__name__
+
+    @property
+    def deferred_stop_check(self) -> bool:
+        """Whether generate() lets transformers read its stop flag one step late on the caches it creates
+        (see ``compile``'s ``deferred_stop_check``); settable. Setting True on a transformers without
+        ``DeferredStopCheck`` leaves it False.
+
+        Raises:
+            ValueError: set True on a model whose pool is not on a CUDA device."""
+        return self._deferred_stop_check
+
+    @deferred_stop_check.setter
+    def deferred_stop_check(self, on: bool) -> None:
+        if on and self.pool.device.type != "cuda":
+            raise ValueError(f"deferred_stop_check needs a CUDA model (transformers' DeferredStopCheck waits on "
+                             f"device events); this model's pool is on {self.pool.device}")
+        self._deferred_stop_check = bool(on) and _install_deferred_stop_hook()
 
     @property
     def rewrites(self) -> dict[str, int]:
@@ -172,6 +193,34 @@ def _max_total_length(model, args, kwargs, prompt_len: int) -> int | None:
     return None if length is None else int(length)
 
 
+def _install_deferred_stop_hook() -> bool:
+    """Let transformers' ``DeferredStopCheck.is_supported`` say yes for a :class:`UnifiedCache` whose
+    ``defer_stop_check`` is set (every other call goes to transformers' own rule, unchanged). Installed once
+    per process; False when this transformers has no ``DeferredStopCheck`` (no deferral then)."""
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    check = getattr(gen_utils, "DeferredStopCheck", None)
+    if check is None or not hasattr(check, "is_supported"):
+        return False
+    original = check.is_supported
+    if getattr(original, "_unimem_hook", False):
+        return True
+    signature = inspect.signature(original)
+
+    def is_supported(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        cache = bound.arguments.get("cache")
+        if isinstance(cache, UnifiedCache) and cache.defer_stop_check:
+            return not bound.arguments.get("is_assistant", False)
+        return original(*args, **kwargs)
+
+    is_supported._unimem_hook = True
+    check.is_supported = staticmethod(is_supported)
+    return True
+
+
 def compile(  # noqa: A001 - the public name of DESIGN.md section 5
     model,
     *,
@@ -183,6 +232,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
     passes: bool | Collection[str] = True,
     backend: str = "inductor",
     cudagraphs: bool = False,
+    deferred_stop_check: bool | None = None,
 ):
     """Give ``model`` a unified memory pool and a compiled forward; returns the same model object.
 
@@ -201,6 +251,12 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
         cudagraphs: Inductor's ``triton.cudagraphs`` for decode graphs (one token per row; CUDA only; never
             ``torch.compile``'s ``mode=``). Prefill graphs are compiled without CUDA graphs.
+        deferred_stop_check: let transformers' generate() read its stop flag one step late
+            (``DeferredStopCheck``, which transformers enables on ``mps`` only) when generate() creates the
+            cache, so the host prepares and launches step n + 1 while the GPU runs step n instead of waiting
+            for it every step. An EOS stop then costs one extra decode step, whose token transformers drops
+            (the returned tokens are identical). Default (None): on for a CUDA model. Never used for a cache
+            the caller passes (it cannot roll a step back). True on a CPU model raises ValueError.
 
     Returns:
         ``model``, with ``model.unimem`` (:class:`UnimemHandle`).
@@ -210,7 +266,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             than one device, or a model compiled already.
         GeometryError: bad sizes, or a memory_budget too small for one request (the message gives the
             minimum).
-        ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms.
+        ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms;
+            ``deferred_stop_check=True`` on a CPU model.
         OSError: ``UNIMEM_DUMP_GRAPHS`` names a folder that cannot be created or written.
     """
     from unimem_compile.passes import make_pass_manager
@@ -228,6 +285,9 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         raise UnsupportedModel(f"the model's parameters are spread over {sorted(map(str, devices))}; "
                                "unimem_compile needs the whole model on one device")
     device = devices.pop()
+    if deferred_stop_check and device.type != "cuda":
+        raise ValueError(f"deferred_stop_check=True needs a CUDA model (transformers' DeferredStopCheck waits on "
+                         f"device events); the model is on {device}")
     layout = _layout(adapter, memory_budget, page_size, max_batch_size, max_seq_len, device)
     pool = UnifiedPool(layout, device)
     torch._dynamo.mark_static_address(pool.arena)
@@ -235,6 +295,9 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         torch._dynamo.mark_static_address(table)
     manager = make_pass_manager(passes)
     handle = UnimemHandle(model, adapter, pool, max_batch_size, max_seq_len, manager)
+    if deferred_stop_check is None:
+        deferred_stop_check = device.type == "cuda"
+    handle.deferred_stop_check = deferred_stop_check
 
     compiled = torch.compile(_own_entry(model.forward, len(_COMPILED)), backend=manager.backend(backend, cudagraphs),
                              fullgraph=True)
@@ -307,6 +370,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
                                 f"than max_seq_len={max_seq_len}")
         cache = given if given is not None else handle.new_cache(rows)
+        cache.defer_stop_check = given is None and handle.deferred_stop_check
         kwargs[cache_key] = cache
         kwargs.setdefault("disable_compile", True)
         try:

@@ -124,6 +124,57 @@ def test_eos_stops_rows_like_stock(pair):
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
 
 
+def test_deferred_stop_check_is_off_on_the_cpu_and_refused_when_asked_for(small):
+    # transformers' DeferredStopCheck waits on device events, which the CPU has none of (the CUDA
+    # behaviour is tested in tests/gpu/test_generate_gpu.py)
+    assert small.unimem.deferred_stop_check is False
+    with pytest.raises(ValueError, match="deferred_stop_check needs a CUDA model.*pool is on cpu"):
+        small.unimem.deferred_stop_check = True
+    assert small.unimem.deferred_stop_check is False
+    with pytest.raises(ValueError, match="deferred_stop_check=True needs a CUDA model.*model is on cpu"):
+        unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
+                               deferred_stop_check=True)
+
+
+def test_the_deferred_stop_hook_leaves_other_caches_to_transformers(small):
+    from transformers import DynamicCache
+    from transformers.generation.utils import DeferredStopCheck
+
+    from unimem_compile.compile import _install_deferred_stop_hook
+
+    assert _install_deferred_stop_hook()  # idempotent: installed once per process
+    assert getattr(DeferredStopCheck.is_supported, "_unimem_hook", False)
+    cuda, mps = torch.device("cuda"), torch.device("mps")
+    # transformers' own rule for every cache but ours: mps only, never for an assistant
+    assert DeferredStopCheck.is_supported(cuda, DynamicCache(), False, is_assistant=False) is False
+    assert DeferredStopCheck.is_supported(mps, None, False, is_assistant=False) is True
+    cache = small.unimem.new_cache(1)
+    try:
+        assert DeferredStopCheck.is_supported(cuda, cache, True, is_assistant=False) is False
+        cache.defer_stop_check = True  # what generate() sets on the caches it creates for a CUDA model
+        assert DeferredStopCheck.is_supported(cuda, cache, True, is_assistant=False) is True
+        assert DeferredStopCheck.is_supported(cuda, cache, True, is_assistant=True) is False
+        cache.activate_past_recording()
+        cache.crop(0)
+        cache.crop(-1)
+        assert cache.undone_steps == 1
+    finally:
+        cache.release()
+
+
+def test_a_cache_the_caller_passes_never_rolls_back(small):
+    cache = small.unimem.new_cache(1)
+    try:
+        assert cache.defer_stop_check is False
+        cache.crop(0)  # a no-op on every cache
+        with pytest.raises(NotImplementedError, match="cannot record past states"):
+            cache.activate_past_recording()
+        with pytest.raises(NotImplementedError, match=r"crop\(-1\) is not supported"):
+            cache.crop(-1)
+    finally:
+        cache.release()
+
+
 def test_force_eager_runs_the_same_cache_path():
     stock = build_model("kimi-linear-tiny")
     model = build_model("kimi-linear-tiny")

@@ -273,6 +273,10 @@ class UnifiedCache(Cache):
         super().__init__(layers=layers)
         self.released = False
         self.released_because: str | None = None
+        #: set by generate() on the caches it creates (never on a cache the caller passes): transformers may
+        #: then read the stop flag one step late (see activate_past_recording / crop)
+        self.defer_stop_check = False
+        self.undone_steps = 0
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -477,6 +481,35 @@ class UnifiedCache(Cache):
         self.buffers.in_use = False
         self.released = True
         self.released_because = reason
+
+    # ------------------------------------------------------------------ transformers' deferred stop check
+    def activate_past_recording(self) -> None:
+        """Called by transformers' ``DeferredStopCheck`` (host reads the stop flag one step late). Only a
+        cache that generate() created for one call allows it (``defer_stop_check``): it is released when
+        the call returns, so the one extra step it may run is never rolled back.
+
+        Raises:
+            NotImplementedError: any other cache (recurrent states cannot be rolled back).
+        """
+        if not self.defer_stop_check:
+            raise NotImplementedError("the unimem cache cannot record past states to roll a step back "
+                                      "(its recurrent states are updated in place)")
+
+    def crop(self, max_length: int) -> None:
+        """``crop(0)`` is a no-op; ``crop(-n)`` (transformers undoing the extra step of a deferred stop
+        check) is accepted on a ``defer_stop_check`` cache only, and only counted in ``undone_steps``: the
+        cache is released when its generate() returns, so the step's tokens are never read.
+
+        Raises:
+            NotImplementedError: any other crop (the recurrent states cannot be rolled back).
+        """
+        if max_length == 0:
+            return
+        if max_length < 0 and self.defer_stop_check:
+            self.undone_steps += -max_length
+            return
+        raise NotImplementedError(f"crop({max_length}) is not supported by the unimem cache (its recurrent "
+                                  "states cannot be rolled back)")
 
     def finish_generate(self) -> None:
         """End of a generate() call that used this cache: every cached token now counts as past, so
