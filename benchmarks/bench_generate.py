@@ -248,7 +248,7 @@ def run_system(system: str, cfg: Config, args, device: torch.device, dtype: torc
         record["compile"] = "transformers auto-compile of the decode step (" + (
             "inductor, mode=reduce-overhead: CUDA graphs)" if cuda else "backend=eager on the CPU)")
     elif system == "unimem":
-        deferred = cuda and not args.no_deferred_stop
+        deferred = {"auto": None, "on": True, "off": False}[args.deferred_stop] if cuda else None
         unimem_compile.compile(model, max_batch_size=cfg.batch, max_seq_len=cfg.prompt + new, memory_budget=None,
                                backend=args.backend, cudagraphs=cuda, passes=True, deferred_stop_check=deferred)
         record["compile"] = (f"unimem_compile.compile(backend={args.backend!r}, cudagraphs={cuda}, passes=True, "
@@ -455,8 +455,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--backend", default=None, help="unimem's inner backend (default inductor; eager with --smoke)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-deferred-stop", action="store_true",
-                   help="(c) with deferred_stop_check=False: transformers reads the stop flag every step")
+    p.add_argument("--deferred-stop", default="auto", choices=["auto", "on", "off"],
+                   help="(c)'s deferred_stop_check: None (auto, the default), True or False")
     p.add_argument("--bundle", default=None, help="also write every recorded configuration into this one JSON")
     p.add_argument("--resume-from", default=None, help="a bundle of an earlier run: its records are kept")
     args = p.parse_args(argv)

@@ -8,7 +8,7 @@ See DESIGN.md (architecture), README.md (usage) and benchmarks/RESULTS.md (measu
 """
 
 from . import errors
-from .compile import UnimemHandle, compile
+from .compile import DEFERRED_STOP_MIN_ROWS, UnimemHandle, compile
 from .errors import GeometryError, InvalidFree, PoolExhausted, UnimemError, UnsupportedModel
 from .hf.cache import UnifiedCache
 
@@ -18,6 +18,7 @@ __all__ = [
     "compile",
     "UnifiedCache",
     "UnimemHandle",
+    "DEFERRED_STOP_MIN_ROWS",
     "GeometryError",
     "InvalidFree",
     "PoolExhausted",

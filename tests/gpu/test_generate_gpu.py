@@ -1,5 +1,5 @@
 """generate() on CUDA with transformers' stop flag read one step late (``deferred_stop_check``, on by
-default for a CUDA model): the host prepares step n + 1 while the GPU runs step n. Tokens must equal
+default for CUDA calls of 8+ rows): the host prepares step n + 1 while the GPU runs step n. Tokens must equal
 stock transformers' (fp32, TF32 off); an EOS stop costs exactly one extra decode step, a length stop none;
 a cache the caller passes is never deferred; nothing leaks. Tiny Kimi-Linear, decode graphs under
 Inductor with CUDA graphs (the run-ahead reuses the graphs' static inputs)."""
@@ -55,8 +55,11 @@ def _prompts(lengths, seed):
     return ids.cuda(), mask.cuda()
 
 
-def test_on_by_default_for_a_cuda_model(pair):
-    assert pair[1].unimem.deferred_stop_check is True
+def test_automatic_setting_defers_from_the_row_threshold(pair):
+    handle = pair[1].unimem
+    assert handle.deferred_stop_check is None
+    assert not handle.defers_stop_check(unimem_compile.DEFERRED_STOP_MIN_ROWS - 1)
+    assert handle.defers_stop_check(unimem_compile.DEFERRED_STOP_MIN_ROWS)
 
 
 def test_eos_stop_returns_stock_tokens_with_one_extra_step_and_length_stop_none(pair):
@@ -70,13 +73,14 @@ def test_eos_stop_returns_stock_tokens_with_one_extra_step_and_length_stop_none(
         assert want.shape[1] < ids.shape[1] + 10
         calls = {}
         try:
-            for deferred in (False, True):
-                model.unimem.deferred_stop_check = deferred
+            # None: automatic, off for 3 rows (below DEFERRED_STOP_MIN_ROWS)
+            for setting in (False, True, None):
+                model.unimem.deferred_stop_check = setting
                 for _ in range(2):  # the second call replays recorded graphs
                     with CountForwards(model) as count:
                         got = model.generate(ids, **kw)
-                    assert torch.equal(got, want), deferred
-                calls[deferred] = count.calls
+                    assert torch.equal(got, want), setting
+                calls[setting] = count.calls
                 with CountForwards(model) as count:
                     got = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
                                          do_sample=False)
@@ -84,8 +88,8 @@ def test_eos_stop_returns_stock_tokens_with_one_extra_step_and_length_stop_none(
                 assert torch.equal(got, stock.generate(ids, attention_mask=mask, max_new_tokens=12,
                                                        min_new_tokens=12, do_sample=False))
         finally:
-            model.unimem.deferred_stop_check = True
-    assert calls[True] == calls[False] + 1
+            model.unimem.deferred_stop_check = None
+    assert calls[True] == calls[False] + 1 and calls[None] == calls[False]
     stats = model.unimem.stats()
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
 
@@ -96,10 +100,12 @@ def test_a_cache_the_caller_passes_is_not_deferred_and_continues(pair):
     with torch.no_grad():
         want = stock.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         cache = model.unimem.new_cache(2)
+        model.unimem.deferred_stop_check = True
         try:
             got = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                  past_key_values=cache)
             assert cache.defer_stop_check is False and cache.undone_steps == 0
         finally:
             cache.release()
+            model.unimem.deferred_stop_check = None
     assert torch.equal(got, want)

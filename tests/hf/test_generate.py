@@ -127,10 +127,13 @@ def test_eos_stops_rows_like_stock(pair):
 def test_deferred_stop_check_is_off_on_the_cpu_and_refused_when_asked_for(small):
     # transformers' DeferredStopCheck waits on device events, which the CPU has none of (the CUDA
     # behaviour is tested in tests/gpu/test_generate_gpu.py)
-    assert small.unimem.deferred_stop_check is False
+    assert small.unimem.deferred_stop_check is None  # automatic: never on the CPU
+    assert not small.unimem.defers_stop_check(64)
     with pytest.raises(ValueError, match="deferred_stop_check needs a CUDA model.*pool is on cpu"):
         small.unimem.deferred_stop_check = True
-    assert small.unimem.deferred_stop_check is False
+    with pytest.raises(TypeError, match="must be True, False or None, got 1"):
+        small.unimem.deferred_stop_check = 1
+    assert small.unimem.deferred_stop_check is None
     with pytest.raises(ValueError, match="deferred_stop_check=True needs a CUDA model.*model is on cpu"):
         unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
                                deferred_stop_check=True)
