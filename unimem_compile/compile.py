@@ -60,6 +60,7 @@ class UnimemHandle:
         self.max_pages_per_row = math.ceil(max_seq_len / pool.layout.page_size)
         self._deferred_stop_check: bool | None = None
         self._buffers: dict[int, StepBuffers] = {}
+        self._orphans: list = []  # (page tables, slots, step buffers) of caches collected unreleased
         self._model_name = type(model).__name__
 
     @property
@@ -99,6 +100,22 @@ class UnimemHandle:
         if batch_size not in self._buffers:
             self._buffers[batch_size] = StepBuffers.allocate(batch_size, self.max_pages_per_row, self.pool.device)
         return self._buffers[batch_size]
+
+    def reclaim_orphans(self) -> int:
+        """Return the pages, slots and step buffers of caches that were garbage-collected without
+        ``release()`` (creating a cache does this first); returns how many such caches were reclaimed."""
+        count = 0
+        while self._orphans:
+            page_tables, slots, buffers = self._orphans.pop()
+            if page_tables is not None:
+                page_tables.release_all()
+            if slots:
+                self.pool.free_slots(slots)
+                slots.clear()
+            buffers.slot_ids.fill_(-1)
+            buffers.in_use = False
+            count += 1
+        return count
 
     def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
         """A fresh :class:`UnifiedCache` of ``batch_size`` rows (default ``max_batch_size``)."""

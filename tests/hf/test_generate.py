@@ -388,3 +388,41 @@ def test_a_row_of_padding_only_is_named(small):
     with pytest.raises(GeometryError, match=r"row 0 of the batch consists of padding only \(6 pads\)"):
         small.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_released_cache_cannot_be_reset_onto_buffers_another_cache_holds(small):
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(4))
+    first = small.unimem.new_cache(1)
+    first.prepare_step(ids, None)
+    first.release()
+    second = small.unimem.new_cache(1)  # the step buffers of batch size 1 are free again
+    second.prepare_step(ids, None)
+    table, slots = second.buffers.page_table.clone(), second.buffers.slot_ids.clone()
+    with pytest.raises(UnsupportedModel, match="another live UnifiedCache of batch size 1 holds"):
+        first.reset()
+    assert first.released and second.buffers.in_use
+    assert torch.equal(second.buffers.page_table, table) and torch.equal(second.buffers.slot_ids, slots)
+    second.release()
+    first.reset()  # nobody holds the buffers now: the released cache may come back
+    assert not first.released and first.buffers.in_use
+    first.prepare_step(ids, None)
+    first.release()
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_cache_collected_without_release_gives_its_memory_back_to_the_next_cache(small):
+    import gc
+
+    handle = small.unimem
+    cache = handle.new_cache(2)
+    cache.prepare_step(torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(6)), None)
+    assert handle.stats()["kv_pages_used"] > 0 and handle.stats()["state_slots_used"] == 2
+    del cache
+    gc.collect()  # the cache object is gone; its pages and slots are queued, not yet freed
+    again = handle.new_cache(2)  # would raise "another live UnifiedCache ..." without the reclaim
+    try:
+        assert handle.stats()["kv_pages_used"] == 0 and handle.stats()["state_slots_used"] == 0
+        assert handle.reclaim_orphans() == 0
+    finally:
+        again.release()
+    handle.pool.allocator.check_invariants()

@@ -19,6 +19,7 @@ row's first token at its pad count (``out_offset``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -251,17 +252,18 @@ class UnifiedCache(Cache):
         self.max_seq_len = handle.max_seq_len
         self.page_size = self.pool.layout.page_size
         self.buffers = handle.step_buffers(batch_size)
+        handle.reclaim_orphans()
         if self.buffers.in_use:
             raise UnsupportedModel(f"another live UnifiedCache of batch size {batch_size} uses this model's step "
                                    "buffers; release it (or let its generate() return) first")
-        self.buffers.in_use = True
         self.page_tables = None
         if self.adapter.kv_spec is not None:
             self.page_tables = PageTables(
                 self.pool, batch_size, self.buffers.page_table.shape[1],
                 out=(self.buffers.page_table, self.buffers.kv_len),
             )
-        self.slots: list[int] = []
+        self.slots: list[int] = []  # mutated in place: the orphan watch holds the same list
+        self._lease()
         self.logical_len = 0
         self.seq_length = torch.zeros((), dtype=torch.int64)  # logical length before the current step
         self.write_loc = self.buffers.decode_loc
@@ -277,6 +279,15 @@ class UnifiedCache(Cache):
         #: then read the stop flag one step late (see activate_past_recording / crop)
         self.defer_stop_check = False
         self.undone_steps = 0
+
+    def _lease(self) -> None:
+        # Take the step buffers, and watch for this cache being garbage-collected without release(): the
+        # watch only queues its pages, slots and buffers on the handle (a finaliser may run in the middle of
+        # any pool operation, so it must not touch the pool); the next cache created for the model, or
+        # handle.reclaim_orphans(), returns them.
+        self.buffers.in_use = True
+        self._orphan_watch = weakref.finalize(self, self.handle._orphans.append,
+                                              (self.page_tables, self.slots, self.buffers))
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -312,14 +323,14 @@ class UnifiedCache(Cache):
         if self.logical_len == 0:
             pads = self._left_pads(mask, batch, total)
             if self.adapter.state_spec is not None:
-                self.slots = self.pool.alloc_slots(batch)
+                self.slots[:] = self.pool.alloc_slots(batch)
             if self.page_tables is not None:
                 try:
                     self._write_locations(new, (total - pads).tolist())
                 except Exception:  # the step fails as a whole: give the slots back
                     if self.slots:
                         self.pool.free_slots(self.slots)
-                        self.slots = []
+                        self.slots.clear()
                     raise
             if self.slots:
                 self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
@@ -368,11 +379,7 @@ class UnifiedCache(Cache):
             count = new_lengths[b] - old[b]
             if count:
                 loc[b, new - count:] = pt.locations(b, old[b], count)
-        if new == 1:
-            self.buffers.decode_loc.copy_(loc)
-            self.write_loc = self.buffers.decode_loc
-        else:
-            self.write_loc = loc.to(self.pool.device)
+        self.write_loc = loc.to(self.pool.device)
 
     # ------------------------------------------------------------------ traced: MLA read/write
     def _mla_update(self, kv_layer: int, kv_nope: torch.Tensor, k_rot: torch.Tensor):
@@ -447,17 +454,26 @@ class UnifiedCache(Cache):
         return self.max_seq_len
 
     def reset(self) -> None:
-        """Free every page and slot and start over empty (the cache stays usable)."""
+        """Free every page and slot and start over empty (the cache stays usable; a released cache becomes
+        usable again).
+
+        Raises:
+            UnsupportedModel: the cache was released and another live cache of its batch size holds the
+                model's step buffers now (nothing changed).
+        """
+        if self.released:
+            self.handle.reclaim_orphans()
+            if self.buffers.in_use:
+                raise UnsupportedModel(f"this UnifiedCache was released and another live UnifiedCache of batch "
+                                       f"size {self.num_rows} holds this model's step buffers now; release that "
+                                       "one first or create a new cache")
+            self._lease()
         self._free()
         self.released = False
         self.released_because = None
-        self.buffers.in_use = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search (reorder_cache) is not supported by the unimem cache yet")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("crop is not supported by the unimem cache")
 
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
@@ -465,7 +481,7 @@ class UnifiedCache(Cache):
             self.page_tables.release_all()
         if self.slots:
             self.pool.free_slots(self.slots)
-            self.slots = []
+            self.slots.clear()
             self.buffers.slot_ids.fill_(-1)
         self.logical_len = 0
         self.seq_length.fill_(0)
@@ -478,6 +494,7 @@ class UnifiedCache(Cache):
         if self.released:
             return
         self._free()
+        self._orphan_watch.detach()
         self.buffers.in_use = False
         self.released = True
         self.released_because = reason

@@ -106,6 +106,20 @@ class _Side:
         return [p for p in range(lo, hi) if p not in self.hole_set]
 
 
+def as_int(value, what: str) -> int:
+    """``value`` as an int id or count (Python or numpy int, 0-d integer tensor); floats, strings and bools
+    are refused rather than truncated.
+
+    Raises:
+        TypeError: naming ``what`` and the value."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
 class MultiEndedAllocator:
     """Allocator of KV pages (top end, growing down) and state slots (bottom end, growing up) in one arena.
 
@@ -183,15 +197,7 @@ class MultiEndedAllocator:
     def slots_used(self) -> int:
         return self.state.live
 
-    @staticmethod
-    def _as_int(value, what: str) -> int:
-        """``value`` as an int id or count; floats, strings and bools are refused rather than truncated."""
-        if isinstance(value, bool):
-            raise TypeError(f"{what} must be an integer, got the bool {value!r}")
-        try:
-            return operator.index(value)
-        except TypeError:
-            raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+    _as_int = staticmethod(lambda value, what: as_int(value, what))
 
     def _require(self, s: _Side, side: str) -> None:
         if not s.unit_bytes:
@@ -217,14 +223,28 @@ class MultiEndedAllocator:
         highest = min(hi // side.unit_bytes, side.n)  # one past the highest slot ending at/before hi
         return max(0, highest - side.watermark)
 
+    def _count(self, side: str, n) -> int:
+        """``n`` as a non-negative int count of ``side`` ids (TypeError / ValueError otherwise)."""
+        n = self._as_int(n, f"the number of {side} ids to allocate")
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of {side} ids ({n})")
+        return n
+
     def can_alloc(self, side: str, n: int) -> bool:
-        """Whether ``n`` ids of ``side`` fit now without compaction."""
+        """Whether ``n`` ids of ``side`` fit now without compaction.
+
+        Raises:
+            TypeError / ValueError: ``n`` not an integer / negative."""
         s = self._side(side)
-        return n <= len(s.hole_set) + self._gap_capacity(s)
+        return self._count(side, n) <= len(s.hole_set) + self._gap_capacity(s)
 
     def can_alloc_after_compaction(self, side: str, n: int) -> bool:
-        """Whether ``n`` ids of ``side`` would fit once both sides are compacted (nothing in flight)."""
+        """Whether ``n`` ids of ``side`` would fit once both sides are compacted (nothing in flight).
+
+        Raises:
+            TypeError / ValueError: ``n`` not an integer / negative."""
         s = self._side(side)
+        n = self._count(side, n)
         other = self.state if s is self.kv else self.kv
         if s.unit_bytes == 0:
             return n == 0
@@ -250,9 +270,7 @@ class MultiEndedAllocator:
             ValueError: ``n`` negative.
         """
         s = self._side(side)
-        n = self._as_int(n, f"the number of {side} ids to allocate")
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of {side} ids ({n})")
+        n = self._count(side, n)
         if n == 0:
             return []
         self._require(s, side)
@@ -317,6 +335,9 @@ class MultiEndedAllocator:
             InvalidFree: the sink (0), an id out of range, never allocated, already freed, or repeated.
         """
         s = self._side(side)
+        if isinstance(ids, (int, str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"virtual {side} ids to free must be an iterable of ints, got {type(ids).__name__} "
+                            f"{ids!r}")
         ids = [self._as_int(v, f"a virtual {side} id") for v in ids]
         if ids:
             self._require(s, side)
@@ -346,6 +367,23 @@ class MultiEndedAllocator:
         return [int(v) for v in np.nonzero(s.v2p[1:s.n] >= 0)[0] + 1] if s.n > 1 else []
 
     # ------------------------------------------------------------------ compaction
+    def check_pins(self, side: str, in_flight: Iterable[int]) -> set[int]:
+        """Validate in-flight PHYSICAL ids of ``side`` (see :meth:`plan_compaction`); changes nothing.
+
+        Raises:
+            TypeError: a non-integer id (or ``in_flight`` not iterable).
+            GeometryError: an id out of range.
+        """
+        s = self._side(side)
+        if isinstance(in_flight, (int, str, bytes)) or not hasattr(in_flight, "__iter__"):
+            raise TypeError(f"in-flight physical {side} ids must be an iterable of ints, got "
+                            f"{type(in_flight).__name__} {in_flight!r}")
+        pinned = {self._as_int(p, f"an in-flight physical {side} id") for p in in_flight}
+        bad = sorted(p for p in pinned if not 0 <= p < len(s.p2v))
+        if bad:
+            raise GeometryError(f"in-flight physical {side} id {bad[0]} is out of range [0, {len(s.p2v)})")
+        return pinned
+
     def plan_compaction(self, side: str, in_flight: Iterable[int] = ()) -> list[Move]:
         """Close the holes of ``side`` by moving live ids toward that side's own end, and update the tables.
 
@@ -358,10 +396,7 @@ class MultiEndedAllocator:
             the moves, in the order they were planned.
         """
         s = self._side(side)
-        pinned = {self._as_int(p, f"an in-flight physical {side} id") for p in in_flight}
-        bad = sorted(p for p in pinned if not 0 <= p < len(s.p2v))
-        if bad:
-            raise GeometryError(f"in-flight physical {side} id {bad[0]} is out of range [0, {len(s.p2v)})")
+        pinned = self.check_pins(side, in_flight)
         movable = [p for p in s.live_physical() if p not in pinned]
         # KV: sources lowest first, destinations highest first; states: the mirror image
         if s.grows_down:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 from ..errors import GeometryError
 from .specs import ALIGN, LinearStateSpec, MHASpec, MLASpec, round_up
@@ -53,6 +54,10 @@ class ArenaLayout:
     def __post_init__(self) -> None:
         if self.kv is None and self.state is None:
             raise GeometryError("ArenaLayout needs a KV spec, a state spec, or both")
+        for name in ("page_size", "memory_budget"):  # numpy and other integer types become Python ints
+            value = getattr(self, name)
+            if not isinstance(value, (bool, int)) and hasattr(value, "__index__"):
+                object.__setattr__(self, name, operator.index(value))
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size <= 0:
             raise GeometryError(f"page_size must be a positive int, got {self.page_size!r}")
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
@@ -181,7 +186,12 @@ class ArenaLayout:
     def for_capacity(
         cls, kv: KVSpec | None, state: LinearStateSpec | None, page_size: int, n_pages: int, n_slots: int
     ) -> ArenaLayout:
-        """The smallest layout in which ``n_pages`` pages and ``n_slots`` slots fit together."""
+        """The smallest layout in which ``n_pages`` pages and ``n_slots`` slots fit together.
+
+        Raises:
+            GeometryError: a negative count."""
+        if n_pages < 0 or n_slots < 0:
+            raise GeometryError(f"n_pages ({n_pages}) and n_slots ({n_slots}) must be >= 0")
         page_bytes = 0 if kv is None else kv.page_bytes(page_size)
         slot_bytes = 0 if state is None else state.slot_bytes
         budget = budget_for(kv, state, page_size, max(n_pages, 1 if kv else 0), max(n_slots, 1 if state else 0),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import GeometryError
+from .allocator import as_int
 from .staging import StagedUpload
 from .unified import UnifiedPool
 
@@ -41,6 +42,8 @@ class PageTables:
         max_pages_per_row: int,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
+        max_batch_size = as_int(max_batch_size, "max_batch_size")
+        max_pages_per_row = as_int(max_pages_per_row, "max_pages_per_row")
         if max_batch_size <= 0 or max_pages_per_row <= 0:
             raise GeometryError(
                 f"max_batch_size ({max_batch_size}) and max_pages_per_row ({max_pages_per_row}) must be positive"
@@ -76,9 +79,11 @@ class PageTables:
     def max_row_tokens(self) -> int:
         return self.max_pages_per_row * self.page_size
 
-    def _check_row(self, row: int) -> None:
+    def _check_row(self, row: int) -> int:
+        row = as_int(row, "a row")
         if not 0 <= row < self.max_batch_size:
             raise GeometryError(f"row {row} is out of range [0, {self.max_batch_size})")
+        return row
 
     def pages_needed(self, rows: Sequence[int], new_lengths: Sequence[int]) -> int:
         """Pages to allocate so that each ``rows[i]`` can hold ``new_lengths[i]`` tokens."""
@@ -100,7 +105,8 @@ class PageTables:
                 lengths, a length below the row's current one, or above ``max_pages_per_row * page_size``.
             PoolExhausted: the pages do not fit; no row changed.
         """
-        rows, new_lengths = list(rows), [int(n) for n in new_lengths]
+        rows = [as_int(r, "a row") for r in rows]
+        new_lengths = [as_int(n, "a new row length") for n in new_lengths]
         if len(rows) != len(new_lengths):
             raise GeometryError(f"grow() got {len(rows)} rows but {len(new_lengths)} new lengths")
         if len(set(rows)) != len(rows):
@@ -135,7 +141,10 @@ class PageTables:
         Raises:
             GeometryError: a token beyond the row's allocated pages.
         """
-        self._check_row(row)
+        row = self._check_row(row)
+        start, count = as_int(start, "start"), as_int(count, "count")
+        if count < 0:
+            raise GeometryError(f"row {row}: count must be >= 0, got {count}")
         pages = self.rows[row]
         if start < 0 or start + count > len(pages) * self.page_size:
             raise GeometryError(
@@ -155,9 +164,12 @@ class PageTables:
         Raises:
             GeometryError: a position outside its row's allocated pages (the first such row is named).
         """
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0] > self.max_batch_size:
+            shape = list(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise GeometryError(f"positions must be [B <= {self.max_batch_size}], got {shape}")
+        if positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
         rows = positions.shape[0]
-        if positions.dim() != 1 or rows > self.max_batch_size:
-            raise GeometryError(f"positions must be [B <= {self.max_batch_size}], got {list(positions.shape)}")
         pages = torch.tensor([len(self.rows[b]) for b in range(rows)], dtype=torch.int64)
         bad = torch.nonzero((positions < 0) | (positions >= pages * self.page_size)).reshape(-1)
         if bad.numel():
@@ -169,7 +181,7 @@ class PageTables:
 
     def release(self, row: int) -> None:
         """Free every page of ``row`` and empty it."""
-        self._check_row(row)
+        row = self._check_row(row)
         if self.rows[row]:
             self.pool.free_pages(self.rows[row])
         self.rows[row] = []

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..errors import GeometryError
-from .allocator import Move, MultiEndedAllocator
+from .allocator import Move, MultiEndedAllocator, as_int
 from .layout import ArenaLayout
 from .specs import dtype_itemsize
 from .staging import StagedUpload
@@ -83,6 +83,7 @@ def state_views(arena: torch.Tensor, layout: ArenaLayout, layer: int) -> tuple[t
     spec = layout.state
     if spec is None:
         raise GeometryError("this layout has no state sub-pool")
+    layer = as_int(layer, "a state layer")
     if not 0 <= layer < spec.layer_num:
         raise GeometryError(f"state layer {layer} is out of range [0, {spec.layer_num})")
     out = []
@@ -119,6 +120,18 @@ class PoolStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _int_ids(ids, what: str) -> torch.Tensor:
+    """``ids`` (a tensor, sequence or int) as a flat int64 tensor; floating or bool values are refused
+    rather than truncated (TypeError naming ``what``)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{what} must be an integer, got a {ids.dtype} tensor")
+        return ids.reshape(-1).to(torch.int64)
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        ids = [ids]
+    return torch.tensor([as_int(v, what) for v in ids], dtype=torch.int64)
 
 
 class UnifiedPool:
@@ -224,9 +237,12 @@ class UnifiedPool:
 
     def _alloc(self, side: str, n: int, in_flight_pages: Iterable[int], in_flight_slots: Iterable[int]) -> list[int]:
         alloc = self.allocator
+        # everything is validated before a compaction may move bytes: a bad argument changes nothing
+        pinned = {"kv": in_flight_pages, "state": in_flight_slots}
+        for s in ("kv", "state"):
+            pinned[s] = sorted(alloc.check_pins(s, pinned[s]))
         if not alloc.can_alloc(side, n) and alloc.can_alloc_after_compaction(side, n):
             other = "state" if side == "kv" else "kv"
-            pinned = {"kv": list(in_flight_pages), "state": list(in_flight_slots)}
             self.compact(other, pinned[other])
             if not alloc.can_alloc(side, n):
                 self.compact(side, pinned[side])
@@ -266,9 +282,11 @@ class UnifiedPool:
                 raise GeometryError("compact('both') takes in_flight as {'kv': [physical pages], 'state': "
                                     f"[physical slots]}}, got a flat list of {len(in_flight)} ids")
             pinned = {side: in_flight}
+        # every side's pins are validated before the first side moves anything
+        pinned = {s: self.allocator.check_pins(s, pinned.get(s, ())) for s in sides}
         moves: list[Move] = []
         for s in sides:
-            planned = self.allocator.plan_compaction(s, pinned.get(s, ()))
+            planned = self.allocator.plan_compaction(s, pinned[s])
             if planned:
                 rows = self._page_rows() if s == "kv" else self._slot_rows()
                 src = torch.tensor([m.src for m in planned], device=self.device)
@@ -305,9 +323,13 @@ class UnifiedPool:
 
     # ------------------------------------------------------------------ Python read / write of rows
     def dense_rows(self, virt_loc: torch.Tensor) -> torch.Tensor:
-        """Dense row ids of virtual token locations (0 = sink for -1 and tombstones)."""
+        """Dense row ids of virtual token locations (0 = sink for -1 and tombstones).
+
+        Raises:
+            TypeError: non-integer locations."""
         lay = self.layout
-        return translate_kv_loc_dense(self.v2p, virt_loc.to(self.device, torch.int64), lay.page_size, lay.layer_num)
+        loc = _int_ids(virt_loc, "a virtual token location").to(self.device)
+        return translate_kv_loc_dense(self.v2p, loc, lay.page_size, lay.layer_num)
 
     def write_kv(self, layer: int, virt_loc: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows [T, D]`` (the KV dtype; fp8 given as fp8 or uint8) for tokens ``virt_loc [T]`` of
@@ -319,6 +341,9 @@ class UnifiedPool:
         lay = self.layout
         if lay.kv is None or not 0 <= layer < lay.layer_num:
             raise GeometryError(f"KV layer {layer} is out of range [0, {lay.layer_num})")
+        virt_loc = _int_ids(virt_loc, "a virtual token location")
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"rows must be a tensor, got {type(rows).__name__}")
         if rows.dim() != 2 or rows.shape != (virt_loc.numel(), lay.kv_cache_dim):
             raise GeometryError(f"rows must be [{virt_loc.numel()}, {lay.kv_cache_dim}], got {tuple(rows.shape)}")
         store = lay.kv.store_dtype
@@ -338,17 +363,30 @@ class UnifiedPool:
         lay = self.layout
         if lay.kv is None or not 0 <= layer < lay.layer_num:
             raise GeometryError(f"KV layer {layer} is out of range [0, {lay.layer_num})")
-        rows = self.kv_views()[layer][:, 0][self.dense_rows(virt_loc.reshape(-1))]
+        rows = self.kv_views()[layer][:, 0][self.dense_rows(_int_ids(virt_loc, "a virtual token location"))]
         return rows.view(lay.kv.dtype) if lay.kv.store_dtype != lay.kv.dtype else rows
 
     def physical_slots(self, virtual_slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Physical slot ids of virtual ones (0 for -1 and tombstones)."""
-        ids = torch.as_tensor(virtual_slots, dtype=torch.int64, device=self.device)
-        return translate_slot(self.s_v2p, ids)
+        """Physical slot ids of virtual ones (0 for -1 and tombstones).
+
+        Raises:
+            TypeError: non-integer ids."""
+        return translate_slot(self.s_v2p, _int_ids(virtual_slots, "a virtual slot id").to(self.device))
 
     def physical_pages(self, virtual_pages: Iterable[int]) -> list[int]:
-        """Physical page ids of virtual ones (-1 for tombstones)."""
-        return [int(self.allocator.kv.v2p[int(v)]) for v in virtual_pages]
+        """Physical page ids of virtual ones (-1 for a negative id, the "no page" marker, and for tombstones).
+
+        Raises:
+            TypeError: a non-integer id.
+            GeometryError: an id past the page table (>= ``layout.num_pages``)."""
+        v2p = self.allocator.kv.v2p
+        out = []
+        for v in virtual_pages:
+            v = as_int(v, "a virtual page id")
+            if v >= len(v2p):
+                raise GeometryError(f"virtual page {v} is out of range [0, {len(v2p)})")
+            out.append(int(v2p[v]) if v >= 0 else -1)
+        return out
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
