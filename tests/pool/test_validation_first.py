@@ -131,3 +131,19 @@ def test_messages_of_other_wrong_types():
     layout = ArenaLayout.for_capacity(KV, STATE, 4, 3, 2)
     same = ArenaLayout(np.int64(layout.memory_budget), np.int32(4), KV, STATE)
     assert same == layout and type(same.memory_budget) is int and type(same.page_size) is int
+
+
+def test_exhaustion_after_a_compaction_blocked_by_pins_says_so():
+    from unimem_compile.errors import PoolExhausted
+
+    pool = pool_needing_state_compaction()
+    live = [v for v in range(pool.layout.num_slots) if int(pool.s_v2p[v]) > 0]
+    top = int(pool.physical_slots(live)[0])  # the one live slot, above the holes
+    before = snapshot(pool)
+    with pytest.raises(PoolExhausted, match=r"compacted already: 0 in-flight pages and 1 in-flight slots stay") as e:
+        pool.alloc_pages(2, in_flight_slots=[top])
+    assert e.value.side == "kv" and e.value.requested == 2 * pool.layout.page_bytes
+    assert_unchanged(before, pool)  # the pinned slot was the only one that could have moved
+    with pytest.raises(PoolExhausted, match="compaction could add") as plain:
+        UnifiedPool(ArenaLayout.for_capacity(KV, STATE, 4, 1, 1)).alloc_pages(5)
+    assert "compacted already" not in str(plain.value)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import GeometryError
+from ..errors import GeometryError, PoolExhausted
 from .allocator import Move, MultiEndedAllocator, as_int
 from .layout import ArenaLayout
 from .specs import dtype_itemsize
@@ -241,12 +241,24 @@ class UnifiedPool:
         pinned = {"kv": in_flight_pages, "state": in_flight_slots}
         for s in ("kv", "state"):
             pinned[s] = sorted(alloc.check_pins(s, pinned[s]))
+        compacted = False
         if not alloc.can_alloc(side, n) and alloc.can_alloc_after_compaction(side, n):
             other = "state" if side == "kv" else "kv"
             self.compact(other, pinned[other])
             if not alloc.can_alloc(side, n):
                 self.compact(side, pinned[side])
-        ids = alloc.alloc(side, n)
+            compacted = True
+        try:
+            ids = alloc.alloc(side, n)
+        except PoolExhausted as e:
+            if not compacted:
+                raise
+            # it would have fitted after compaction, but in-flight ids could not move: say so
+            raise PoolExhausted(
+                f"{e} (compacted already: {len(pinned['kv'])} in-flight pages and {len(pinned['state'])} "
+                "in-flight slots stay where they are and keep those holes from the gap)",
+                requested=e.requested, available=e.available, side=e.side, reclaimable=e.reclaimable,
+            ) from None
         self._pages_peak = max(self._pages_peak, alloc.pages_used)
         self._slots_peak = max(self._slots_peak, alloc.slots_used)
         self.sync_tables()
