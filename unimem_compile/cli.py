@@ -12,10 +12,22 @@ GIB = 1 << 30
 
 
 def _pool_info(args: argparse.Namespace) -> int:
+    from .errors import GeometryError
     from .pool import geometry, pool_info
 
+    if not args.budget_gib > 0:
+        print(f"unimem-compile pool-info: --budget-gib must be positive, got {args.budget_gib:g}", file=sys.stderr)
+        return 2
+    if args.page_size <= 0:
+        print(f"unimem-compile pool-info: --page-size must be a positive number of tokens, got {args.page_size}",
+              file=sys.stderr)
+        return 2
     kv, state = geometry(args.geometry)
-    info = pool_info(kv, state, int(args.budget_gib * GIB), args.page_size, geometry_name=args.geometry)
+    try:
+        info = pool_info(kv, state, int(args.budget_gib * GIB), args.page_size, geometry_name=args.geometry)
+    except GeometryError as e:  # e.g. a budget below one page envelope + one state slot
+        print(f"unimem-compile pool-info: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

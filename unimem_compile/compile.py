@@ -19,9 +19,11 @@ What it does to the model instance (the class is untouched):
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
+import operator
 from collections.abc import Collection
 
 import torch
@@ -46,6 +48,7 @@ class UnimemHandle:
         adapter: how the model's layers map onto the pool.
         max_batch_size, max_seq_len: the limits given to ``compile``.
         passes: the :class:`~unimem_compile.passes.PassManager` applied to this model's graphs.
+        model_dtype: the parameters' dtype at compile time (generate() refuses a model cast since).
         deferred_stop_check: when generate() lets transformers read its stop flag one step late on the
             caches it creates (None: automatic; see ``compile``).
     """
@@ -159,6 +162,8 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
         return ArenaLayout.for_capacity(
             kv, state, page_size, row_pages * max_batch_size, max_batch_size if state is not None else 0
         )
+    if not isinstance(memory_budget, (bool, int, float)) and hasattr(memory_budget, "__index__"):
+        memory_budget = operator.index(memory_budget)  # numpy and other integer types: bytes
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
         raise GeometryError(f"memory_budget must be bytes (int), a fraction in (0, 1] (float) or None, "
                             f"got {memory_budget!r}")
@@ -203,24 +208,53 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _generation_setting(model, kwargs, name: str, default):
-    """A generate() setting as transformers resolves it: the call's keyword, else its generation_config's."""
+def _given_generation_config(args, kwargs):
+    """The generation_config a generate() call passes, as a keyword or as its second positional argument
+    (``generate(inputs, generation_config, ...)``); None when it passes none."""
+    from transformers import GenerationConfig
+
+    if kwargs.get("generation_config") is not None:
+        return kwargs["generation_config"]
+    if len(args) > 1 and isinstance(args[1], GenerationConfig):
+        return args[1]
+    return None
+
+
+def _generation_setting(model, kwargs, name: str, default, config=None):
+    """A generate() setting as transformers resolves it: the call's keyword, else the generation_config it
+    passes (``config``), else the model's."""
     if kwargs.get(name) is not None:
         return kwargs[name]
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    config = config or kwargs.get("generation_config") or getattr(model, "generation_config", None)
     value = getattr(config, name, None)
     return default if value is None else value
+
+
+#: forward() outputs that transformers collects through hooks installed under a lock, which Dynamo cannot
+#: trace with fullgraph=True: refused by name instead of failing inside the trace.
+_UNSUPPORTED_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def _check_outputs(model, settings: dict) -> None:
+    for name in _UNSUPPORTED_OUTPUTS:
+        value = settings.get(name)
+        if value is None:
+            value = getattr(model.config, name, False)
+        if value:
+            raise UnsupportedModel(f"{name}=True is not supported by a model compiled by unimem_compile (the "
+                                   "compiled forward returns logits and the cache only); run the stock model "
+                                   "for hidden states or attention maps")
 
 
 def _requires_grad(model) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
-def _max_total_length(model, args, kwargs, prompt_len: int) -> int | None:
-    new = _generation_setting(model, kwargs, "max_new_tokens", None)
+def _max_total_length(model, kwargs, prompt_len: int, config) -> int | None:
+    new = _generation_setting(model, kwargs, "max_new_tokens", None, config)
     if new is not None:
         return prompt_len + int(new)
-    length = _generation_setting(model, kwargs, "max_length", None)
+    length = _generation_setting(model, kwargs, "max_length", None, config)
     return None if length is None else int(length)
 
 
@@ -329,14 +363,20 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         torch._dynamo.mark_static_address(table)
     manager = make_pass_manager(passes)
     handle = UnimemHandle(model, adapter, pool, max_batch_size, max_seq_len, manager)
+    handle.model_dtype = next(model.parameters()).dtype
     handle.deferred_stop_check = deferred_stop_check
 
+    # a config asking for hidden states / attentions by default is checked on every forward; otherwise only
+    # a forward whose keywords ask for them (two dict lookups on the decode path)
+    config_outputs = any(getattr(model.config, name, False) for name in _UNSUPPORTED_OUTPUTS)
     compiled = torch.compile(_own_entry(model.forward, len(_COMPILED)), backend=manager.backend(backend, cudagraphs),
                              fullgraph=True)
     _COMPILED.append(type(model).__name__)
 
     @functools.wraps(model.forward)
     def forward(*args, **kwargs):
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or config_outputs:
+            _check_outputs(model, kwargs)
         if torch.is_grad_enabled() and adapter.state_spec is not None and _requires_grad(model):
             raise UnsupportedModel(
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
@@ -382,14 +422,17 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             raise UnsupportedModel(f"input_ids are on {input_ids.device} but the model and its pool are on "
                                    f"{pool.device}")
         batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
-        beams = int(_generation_setting(model, kwargs, "num_beams", 1))
+        config = _given_generation_config(args, kwargs)
+        setting = functools.partial(_generation_setting, model, kwargs, config=config)
+        _check_outputs(model, {name: setting(name, None) for name in _UNSUPPORTED_OUTPUTS})
+        beams = int(setting("num_beams", 1))
         if beams > 1:
             raise UnsupportedModel(f"beam search (num_beams={beams}) is not supported by a model compiled by "
                                    "unimem_compile; use greedy decoding or sampling")
-        if _generation_setting(model, kwargs, "use_cache", True) is False:
+        if setting("use_cache", True) is False:
             raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
                                    "decodes from its UnifiedCache")
-        sequences = int(_generation_setting(model, kwargs, "num_return_sequences", 1))
+        sequences = int(setting("num_return_sequences", 1))
         rows = batch * sequences  # generate() repeats each prompt num_return_sequences times before prefill
         if rows > max_batch_size:
             detail = f" x num_return_sequences={sequences} = {rows} rows" if sequences > 1 else " rows"
@@ -397,14 +440,33 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         if given is not None and given.num_rows != rows:
             raise GeometryError(f"the UnifiedCache passed holds {given.num_rows} rows, this generate() call needs "
                                 f"{rows} (batch {batch} x num_return_sequences {sequences})")
-        total = _max_total_length(model, args, kwargs, prompt)
+        total = _max_total_length(model, kwargs, prompt, config)
         if total is not None and total > max_seq_len:
             raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
                                 f"than max_seq_len={max_seq_len}")
+        dtype_now = next(model.parameters()).dtype
+        if dtype_now != handle.model_dtype:
+            raise UnsupportedModel(f"the model's parameters are {dtype_now} now but were {handle.model_dtype} when "
+                                   "unimem_compile.compile() built its pool and graphs; compile a fresh model "
+                                   "object in the dtype you want (or cast it back)")
         cache = given if given is not None else handle.new_cache(rows)
+        if kwargs.get("attention_mask") is None:
+            pad = setting("pad_token_id", None)
+            cache.mask_hint = (f"no attention_mask was passed, so generate() inferred one from pad_token_id={pad}; "
+                               "pass attention_mask explicitly") if pad is not None else None
         cache.defer_stop_check = given is None and handle.defers_stop_check(rows)
         kwargs[cache_key] = cache
-        kwargs.setdefault("disable_compile", True)
+        # transformers must not compile __call__ behind our back; set on the caller's generation_config when
+        # there is one (a keyword beside a generation_config makes transformers warn about deprecated usage)
+        if config is None:
+            kwargs.setdefault("disable_compile", True)
+        elif not getattr(config, "disable_compile", False):
+            config = copy.deepcopy(config)
+            config.disable_compile = True
+            if kwargs.get("generation_config") is not None:
+                kwargs["generation_config"] = config
+            else:
+                args = (args[0], config, *args[2:])
         try:
             out = original_generate(*args, **kwargs)
         except BaseException as e:

@@ -426,3 +426,84 @@ def test_a_cache_collected_without_release_gives_its_memory_back_to_the_next_cac
     finally:
         again.release()
     handle.pool.allocator.check_invariants()
+
+
+# ------------------------------------------------------------------ found by a new-user session
+def test_hidden_states_and_attentions_are_refused_by_name_with_nothing_leaked(small):
+    from transformers import GenerationConfig
+
+    ids, mask = prompts([6, 4], seed=9)
+    for kw in ({"output_hidden_states": True}, {"output_attentions": True},
+               {"generation_config": GenerationConfig(max_new_tokens=3, output_hidden_states=True)}):
+        with pytest.raises(UnsupportedModel, match="(output_hidden_states|output_attentions)=True is not supported"):
+            small.generate(ids, attention_mask=mask, max_new_tokens=3, **kw)
+    with pytest.raises(UnsupportedModel, match="output_attentions=True is not supported"), torch.no_grad():
+        small(ids, attention_mask=mask, output_attentions=True)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_positional_generation_config_gets_the_same_checks_and_results(small):
+    from transformers import GenerationConfig
+
+    stock = build_model("kimi-linear-tiny")
+    ids, mask = prompts([7, 5], seed=10)
+    with pytest.raises(UnsupportedModel, match="beam search"):
+        small.generate(ids, GenerationConfig(num_beams=2, max_new_tokens=3), attention_mask=mask)
+    with pytest.raises(GeometryError, match="longer than max_seq_len=32"):
+        small.generate(ids, GenerationConfig(max_new_tokens=40), attention_mask=mask)
+    with pytest.raises(GeometryError, match="num_return_sequences=2 = 4 rows is larger than max_batch_size=2"):
+        small.generate(ids, GenerationConfig(num_return_sequences=2, do_sample=True, max_new_tokens=3),
+                       attention_mask=mask)
+    config = GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        want = stock.generate(ids, config, attention_mask=mask)
+        got = small.generate(ids, config, attention_mask=mask)
+    assert torch.equal(got, want)
+    assert not config.disable_compile  # the caller's object is not modified
+    assert small.unimem.stats()["kv_pages_used"] == 0
+
+
+def test_a_generation_config_does_not_trigger_transformers_mixed_arguments_warning(small, monkeypatch):
+    from transformers import GenerationConfig
+    from transformers.generation import utils as gen_utils
+
+    said = []
+    monkeypatch.setattr(gen_utils.logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    ids, mask = prompts([5, 5], seed=12)
+    with torch.no_grad():
+        small.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=2))
+    assert not [m for m in said if "together with generation-related" in m], said
+
+
+def test_cache_dtypes_the_ops_cannot_compute_in_are_refused_at_compile():
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        with pytest.raises(GeometryError, match=f"kv_dtype {dtype} is not supported.*bfloat16, float16, float32"):
+            unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
+                                   kv_dtype=dtype, backend="aot_eager")
+
+
+def test_a_numpy_integer_budget_is_bytes():
+    import numpy as np
+
+    model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
+                                   memory_budget=np.int64(4 << 20), page_size=8, backend="aot_eager")
+    assert model.unimem.stats()["total_bytes"] == 4 << 20
+
+
+def test_a_model_cast_after_compile_is_refused_with_both_dtypes(small):
+    ids, mask = prompts([5, 3], seed=13)
+    small.to(torch.bfloat16)
+    try:
+        with pytest.raises(UnsupportedModel, match=r"parameters are torch.bfloat16 now but were torch.float32"):
+            small.generate(ids, attention_mask=mask, max_new_tokens=2)
+    finally:
+        small.to(torch.float32)
+    assert small.unimem.stats()["kv_pages_used"] == 0
+
+
+def test_a_padding_error_from_an_inferred_mask_says_so(small):
+    ids, _ = prompts([6, 6], seed=14)
+    ids[0, 3] = 0  # the pad token id, inside row 0's prompt
+    with pytest.raises(GeometryError, match=r"pad at position 3.*inferred one from pad_token_id=0; pass attention_mask"):
+        small.generate(ids, max_new_tokens=2, pad_token_id=0)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0

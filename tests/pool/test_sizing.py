@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from unimem_compile.cli import main
@@ -68,3 +69,14 @@ def test_pool_info_cli_prints_the_design_keys(capsys):
     assert info["budget_bytes"] == 40 * GIB and info["overhead_fraction"] < 0.005
     assert main(["pool-info", "--budget-gib", "2", "--page-size", "16"]) == 0
     assert "16 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "--page-size must be a positive number of tokens, got 0"),
+    (["--budget-gib", "-1"], "--budget-gib must be positive, got -1"),
+    (["--budget-gib", "0.0001"], "memory_budget=107374 bytes is below the minimum"),
+])
+def test_pool_info_cli_refuses_bad_sizes_with_exit_status_2(argv, message, capsys):
+    assert main(["pool-info", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unimem-compile pool-info: ") and message in err and "Traceback" not in err

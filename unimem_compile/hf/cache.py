@@ -278,6 +278,9 @@ class UnifiedCache(Cache):
         #: set by generate() on the caches it creates (never on a cache the caller passes): transformers may
         #: then read the stop flag one step late (see activate_past_recording / crop)
         self.defer_stop_check = False
+        #: set by generate() when the caller passed no attention_mask: transformers then infers one from
+        #: pad_token_id, and a padding error says so
+        self.mask_hint: str | None = None
         self.undone_steps = 0
 
     def _lease(self) -> None:
@@ -321,7 +324,12 @@ class UnifiedCache(Cache):
         if attention_mask is not None and (self.logical_len == 0 or new > 1):
             mask = attention_mask.detach().to("cpu", torch.bool)
         if self.logical_len == 0:
-            pads = self._left_pads(mask, batch, total)
+            try:
+                pads = self._left_pads(mask, batch, total)
+            except GeometryError as e:
+                if self.mask_hint:
+                    raise GeometryError(f"{e} ({self.mask_hint})") from None
+                raise
             if self.adapter.state_spec is not None:
                 self.slots[:] = self.pool.alloc_slots(batch)
             if self.page_tables is not None:
