@@ -116,7 +116,7 @@ class UnimemHandle:
                 self.pool.free_slots(slots)
                 slots.clear()
             buffers.slot_ids.fill_(-1)
-            buffers.in_use = False
+            buffers.resident = None  # whichever cache steps next uploads its own tables
             count += 1
         return count
 

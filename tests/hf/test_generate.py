@@ -390,23 +390,61 @@ def test_a_row_of_padding_only_is_named(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
-def test_a_released_cache_cannot_be_reset_onto_buffers_another_cache_holds(small):
+def test_interleaved_conversations_of_one_row_count_each_continue_like_stock(pair):
+    """Two live caches of 2 rows (sharing the model's step buffers) take turns, with a cache-less generate()
+    of 2 rows and the release of a third cache in between: every turn equals stock transformers'
+    continuation, so a cache whose tables are not in the buffers uploads them before its step."""
+    from transformers import DynamicCache
+
+    from unimem_compile.compile import _cache_kwarg
+
+    stock, model, _ = pair
+    key = _cache_kwarg(stock)
+    g = torch.Generator().manual_seed(31)
+    conversations = [prompts([10, 10], seed=32)[0], prompts([14, 14], seed=33)[0]]
+    dynamic = [DynamicCache(config=stock.config) for _ in conversations]
+    caches = [model.unimem.new_cache(2) for _ in conversations]
+    stray = model.unimem.new_cache(2)
+    try:
+        with torch.no_grad():
+            stray.prepare_step(torch.randint(3, 1024, (2, 9), generator=g), None)
+            for turn in range(3):
+                for c in range(2):
+                    if turn:
+                        extra = torch.randint(3, 1024, (2, 3), generator=g)
+                        conversations[c] = torch.cat([conversations[c], extra], 1)
+                    want = stock.generate(conversations[c], max_new_tokens=4, do_sample=False, **{key: dynamic[c]})
+                    got = model.generate(conversations[c], max_new_tokens=4, do_sample=False, **{key: caches[c]})
+                    assert torch.equal(got, want), (turn, c)
+                    conversations[c] = got
+                    if turn == 1 and c == 0:  # a cache-less call of the same row count in between
+                        ids, mask = prompts([8, 6], seed=34)
+                        assert torch.equal(greedy(model, ids, mask, 3), greedy(stock, ids, mask, 3))
+                    if turn == 1 and c == 1:  # and the release of a cache that is not resident
+                        stray.release()
+    finally:
+        for cache in caches + [stray]:
+            cache.release()
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_released_cache_can_be_reset_and_used_beside_a_live_one(small):
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(4))
     first = small.unimem.new_cache(1)
     first.prepare_step(ids, None)
     first.release()
-    second = small.unimem.new_cache(1)  # the step buffers of batch size 1 are free again
+    second = small.unimem.new_cache(1)
     second.prepare_step(ids, None)
-    table, slots = second.buffers.page_table.clone(), second.buffers.slot_ids.clone()
-    with pytest.raises(UnsupportedModel, match="another live UnifiedCache of batch size 1 holds"):
-        first.reset()
-    assert first.released and second.buffers.in_use
-    assert torch.equal(second.buffers.page_table, table) and torch.equal(second.buffers.slot_ids, slots)
-    second.release()
-    first.reset()  # nobody holds the buffers now: the released cache may come back
-    assert not first.released and first.buffers.in_use
-    first.prepare_step(ids, None)
-    first.release()
+    table = second.page_tables._host_table.clone()
+    first.reset()
+    assert not first.released
+    first.prepare_step(torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(5)), None)
+    assert first.buffers is second.buffers and first.page_tables.rows[0] != second.page_tables.rows[0]
+    second.prepare_step(torch.cat([ids, ids[:, :1]], 1), None)  # second's tables go back into the buffers
+    assert torch.equal(second.buffers.page_table.cpu(), second.page_tables._host_table)
+    assert second.page_tables._host_table[0, : table.shape[1]].tolist() == table[0].tolist()
+    for cache in (first, second):
+        cache.release()
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
@@ -419,7 +457,7 @@ def test_a_cache_collected_without_release_gives_its_memory_back_to_the_next_cac
     assert handle.stats()["kv_pages_used"] > 0 and handle.stats()["state_slots_used"] == 2
     del cache
     gc.collect()  # the cache object is gone; its pages and slots are queued, not yet freed
-    again = handle.new_cache(2)  # would raise "another live UnifiedCache ..." without the reclaim
+    again = handle.new_cache(2)  # reclaims the collected cache's pages and slot first
     try:
         assert handle.stats()["kv_pages_used"] == 0 and handle.stats()["state_slots_used"] == 0
         assert handle.reclaim_orphans() == 0

@@ -47,7 +47,9 @@ class StepBuffers:
         out_offset: int32 ``[B]`` left pads per row (where ``mla_gather`` puts a row's first token).
         slot_ids: int64 ``[B]`` virtual state slot per row.
         decode_loc: int64 ``[B, 1]`` virtual location of each row's token in a one-token step.
-        in_use: whether a live cache holds these buffers.
+        resident: weak reference to the cache whose tables the buffers hold now (None: nobody's). Several
+            live caches of one batch size share the buffers: a cache that is not resident uploads its
+            whole tables before its step (:meth:`UnifiedCache.prepare_step`).
         upload_decode_loc: refreshes ``decode_loc`` from the host without a stream synchronisation.
     """
 
@@ -56,7 +58,7 @@ class StepBuffers:
     out_offset: torch.Tensor
     slot_ids: torch.Tensor
     decode_loc: torch.Tensor
-    in_use: bool = False
+    resident: weakref.ref | None = None
     upload_decode_loc: StagedUpload = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -253,9 +255,6 @@ class UnifiedCache(Cache):
         self.page_size = self.pool.layout.page_size
         self.buffers = handle.step_buffers(batch_size)
         handle.reclaim_orphans()
-        if self.buffers.in_use:
-            raise UnsupportedModel(f"another live UnifiedCache of batch size {batch_size} uses this model's step "
-                                   "buffers; release it (or let its generate() return) first")
         self.page_tables = None
         if self.adapter.kv_spec is not None:
             self.page_tables = PageTables(
@@ -263,7 +262,8 @@ class UnifiedCache(Cache):
                 out=(self.buffers.page_table, self.buffers.kv_len),
             )
         self.slots: list[int] = []  # mutated in place: the orphan watch holds the same list
-        self._lease()
+        self._out_offset = torch.zeros(batch_size, dtype=torch.int32)  # host copy of the left pads
+        self._watch()
         self.logical_len = 0
         self.seq_length = torch.zeros((), dtype=torch.int64)  # logical length before the current step
         self.write_loc = self.buffers.decode_loc
@@ -283,14 +283,28 @@ class UnifiedCache(Cache):
         self.mask_hint: str | None = None
         self.undone_steps = 0
 
-    def _lease(self) -> None:
-        # Take the step buffers, and watch for this cache being garbage-collected without release(): the
-        # watch only queues its pages, slots and buffers on the handle (a finaliser may run in the middle of
-        # any pool operation, so it must not touch the pool); the next cache created for the model, or
-        # handle.reclaim_orphans(), returns them.
-        self.buffers.in_use = True
+    def _watch(self) -> None:
+        # Watch for this cache being garbage-collected without release(): the watch only queues its pages,
+        # slots and buffers on the handle (a finaliser may run in the middle of any pool operation, so it
+        # must not touch the pool); the next cache created for the model, or handle.reclaim_orphans(),
+        # returns them.
         self._orphan_watch = weakref.finalize(self, self.handle._orphans.append,
                                               (self.page_tables, self.slots, self.buffers))
+
+    def _make_resident(self) -> None:
+        """Put this cache's tables into the shared step buffers if another cache of the same batch size
+        used them since this cache's last step (a no-op otherwise: one pointer compare per step)."""
+        buffers = self.buffers
+        if buffers.resident is not None and buffers.resident() is self:
+            return
+        if self.page_tables is not None:
+            self.page_tables.sync()  # the whole host page table and lengths, in stream order
+        if self.slots:
+            buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
+        else:
+            buffers.slot_ids.fill_(-1)
+        buffers.out_offset.copy_(self._out_offset)
+        buffers.resident = weakref.ref(self)
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -318,6 +332,7 @@ class UnifiedCache(Cache):
             )
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, total):
             raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, total]}")
+        self._make_resident()
         # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
         # ever appends ones to it. The first step and multi-token continuations are checked.
         mask = None
@@ -342,7 +357,8 @@ class UnifiedCache(Cache):
                     raise
             if self.slots:
                 self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
-            self.buffers.out_offset.copy_(pads.to(torch.int32))
+            self._out_offset.copy_(pads.to(torch.int32))
+            self.buffers.out_offset.copy_(self._out_offset)
         else:
             if mask is not None and not bool(mask[:, -new:].all()):
                 row = int(torch.nonzero(~mask[:, -new:].all(-1))[0])
@@ -463,19 +479,9 @@ class UnifiedCache(Cache):
 
     def reset(self) -> None:
         """Free every page and slot and start over empty (the cache stays usable; a released cache becomes
-        usable again).
-
-        Raises:
-            UnsupportedModel: the cache was released and another live cache of its batch size holds the
-                model's step buffers now (nothing changed).
-        """
+        usable again)."""
         if self.released:
-            self.handle.reclaim_orphans()
-            if self.buffers.in_use:
-                raise UnsupportedModel(f"this UnifiedCache was released and another live UnifiedCache of batch "
-                                       f"size {self.num_rows} holds this model's step buffers now; release that "
-                                       "one first or create a new cache")
-            self._lease()
+            self._watch()
         self._free()
         self.released = False
         self.released_because = None
@@ -486,11 +492,14 @@ class UnifiedCache(Cache):
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
         if self.page_tables is not None:
-            self.page_tables.release_all()
+            self.page_tables.release_all()  # uploads the emptied table into the shared buffers
         if self.slots:
             self.pool.free_slots(self.slots)
             self.slots.clear()
             self.buffers.slot_ids.fill_(-1)
+        self._out_offset.zero_()
+        # the buffers now hold nobody's tables: whichever cache steps next uploads its own
+        self.buffers.resident = None
         self.logical_len = 0
         self.seq_length.fill_(0)
         self.write_loc = self.buffers.decode_loc
@@ -503,7 +512,6 @@ class UnifiedCache(Cache):
             return
         self._free()
         self._orphan_watch.detach()
-        self.buffers.in_use = False
         self.released = True
         self.released_because = reason
 
