@@ -450,10 +450,10 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
                                    "unimem_compile.compile() built its pool and graphs; compile a fresh model "
                                    "object in the dtype you want (or cast it back)")
         cache = given if given is not None else handle.new_cache(rows)
-        if kwargs.get("attention_mask") is None:
-            pad = setting("pad_token_id", None)
-            cache.mask_hint = (f"no attention_mask was passed, so generate() inferred one from pad_token_id={pad}; "
-                               "pass attention_mask explicitly") if pad is not None else None
+        pad = setting("pad_token_id", None) if kwargs.get("attention_mask") is None else None
+        cache.mask_hint = (f"no attention_mask was passed, so generate() inferred one from pad_token_id={pad}; "
+                           "pass attention_mask explicitly") if pad is not None else None
+        before = cache.fingerprint() if given is not None else None
         cache.defer_stop_check = given is None and handle.defers_stop_check(rows)
         kwargs[cache_key] = cache
         # transformers must not compile __call__ behind our back; set on the caller's generation_config when
@@ -471,8 +471,9 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             out = original_generate(*args, **kwargs)
         except BaseException as e:
             # a step that failed half way leaves page tables and states that no longer match the cached
-            # tokens: a cache the caller passed is released (not silently continued from); ours always is
-            if given is not None:
+            # tokens: a cache the caller passed is released (not silently continued from), unless the call
+            # failed before any step changed it (e.g. transformers refusing an argument); ours always is
+            if given is not None and given.fingerprint() != before:
                 given.release(reason=f"generate() raised {type(e).__name__} while using it")
             raise
         finally:

@@ -545,3 +545,75 @@ def test_a_padding_error_from_an_inferred_mask_says_so(small):
     with pytest.raises(GeometryError, match=r"pad at position 3.*inferred one from pad_token_id=0; pass attention_mask"):
         small.generate(ids, max_new_tokens=2, pad_token_id=0)
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_caller_cache_survives_a_call_refused_before_any_step(small):
+    from transformers import DynamicCache
+
+    from unimem_compile.compile import _cache_kwarg
+
+    stock = build_model("kimi-linear-tiny")
+    key = _cache_kwarg(stock)
+    ids, _ = prompts([9, 9], seed=41)
+    extra = torch.randint(3, 1024, (2, 3), generator=torch.Generator().manual_seed(42))
+    cache, dynamic = small.unimem.new_cache(2), DynamicCache(config=stock.config)
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match="max_new_tokens"):  # transformers refuses it up front
+                small.generate(ids, max_new_tokens=0, do_sample=False, **{key: cache})
+            assert not cache.released
+            first = small.generate(ids, max_new_tokens=4, do_sample=False, **{key: cache})
+            assert torch.equal(first, stock.generate(ids, max_new_tokens=4, do_sample=False, **{key: dynamic}))
+            with pytest.raises(ValueError, match="not_a_kwarg"):  # a typo, mid-conversation
+                small.generate(torch.cat([first, extra], 1), max_new_tokens=3, not_a_kwarg=1, **{key: cache})
+            assert not cache.released
+            got = small.generate(torch.cat([first, extra], 1), max_new_tokens=3, do_sample=False, **{key: cache})
+            want = stock.generate(torch.cat([first, extra], 1), max_new_tokens=3, do_sample=False,
+                                  **{key: dynamic})
+        assert torch.equal(got, want)
+    finally:
+        cache.release()
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(small):
+    import gc
+
+    from unimem_compile.compile import _cache_kwarg
+
+    key = _cache_kwarg(small)
+    pool = small.unimem.pool
+    ids = torch.randint(3, 1000, (1, 30), generator=torch.Generator().manual_seed(43))
+    live, dropped = small.unimem.new_cache(1), small.unimem.new_cache(1)
+    filler = []
+    try:
+        with torch.no_grad():
+            first = small.generate(ids[:, :6], max_new_tokens=2, do_sample=False, **{key: live})  # 1 page
+            small.generate(ids[:, :26], max_new_tokens=2, do_sample=False, **{key: dropped})  # 4 pages
+            while pool.allocator.can_alloc("kv", 1):  # fill the rest of the arena
+                filler += pool.alloc_pages(1)
+            del dropped
+            gc.collect()
+            # the live row needs 2 more pages: only the dropped cache's pages can give them
+            small.generate(torch.cat([first, ids[:, :12]], 1), max_new_tokens=2, do_sample=False, **{key: live})
+        assert not live.released and small.unimem.reclaim_orphans() == 0
+    finally:
+        live.release()
+        pool.free_pages(filler)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_the_inferred_mask_hint_does_not_outlive_its_call(small):
+    cache = small.unimem.new_cache(2)
+    ids, _ = prompts([6, 6], seed=44)
+    right = torch.ones_like(ids)
+    right[1, 4:] = 0  # right padding, passed explicitly
+    try:
+        with pytest.raises(GeometryError, match="inferred one from pad_token_id"):
+            small.generate(ids.masked_fill(right == 0, 0), max_new_tokens=2, pad_token_id=0, cache=cache)
+        cache.reset()
+        with pytest.raises(GeometryError, match="only left padding is supported") as e:
+            small.generate(ids, attention_mask=right, max_new_tokens=2, pad_token_id=0, cache=cache)
+        assert "inferred" not in str(e.value)
+    finally:
+        cache.release()

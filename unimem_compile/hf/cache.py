@@ -283,6 +283,12 @@ class UnifiedCache(Cache):
         self.mask_hint: str | None = None
         self.undone_steps = 0
 
+    def fingerprint(self) -> tuple:
+        """What a step changes: (tokens cached, every row's stored length, the state slots). Equal before and
+        after a failed generate() means the failure happened before any step touched the cache."""
+        lengths = tuple(self.page_tables.lengths) if self.page_tables is not None else ()
+        return self.logical_len, lengths, tuple(self.slots)
+
     def _watch(self) -> None:
         # Watch for this cache being garbage-collected without release(): the watch only queues its pages,
         # slots and buffers on the handle (a finaliser may run in the middle of any pool operation, so it
@@ -332,6 +338,8 @@ class UnifiedCache(Cache):
             )
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, total):
             raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, total]}")
+        if self.handle._orphans:  # memory of caches dropped unreleased goes back before this step allocates
+            self.handle.reclaim_orphans()
         self._make_resident()
         # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
         # ever appends ones to it. The first step and multi-token continuations are checked.
