@@ -82,6 +82,14 @@ def decode_inputs(model, batch: int, prompt: int, seed: int = 0) -> dict:
                                                **{key: cache})
 
 
+def run_step(model, inputs: dict):
+    """One decode forward of the prepared step. Timing re-runs the same step (same locations, states
+    updated in place): each run re-arms the cache's prepared flag, which a plain forward would refuse."""
+    cache = inputs.get("past_key_values", inputs.get("cache"))
+    cache.prepared = True
+    return model(**inputs)
+
+
 def _time_ms(fn, device: torch.device) -> float:
     if device.type == "cuda":
         import triton
@@ -101,13 +109,13 @@ def measure(name: str, batch: int, prompt: int, passes, device: torch.device, ba
     inputs = decode_inputs(model, batch, prompt)
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = model(**inputs).logits
+        logits = run_step(model, inputs).logits
         if device.type == "cuda":
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
         if not logits.isfinite().all():
             raise RuntimeError(f"non-finite logits at batch {batch}, prompt {prompt}, passes {passes}")
-        ms = _time_ms(lambda: model(**inputs), device)
+        ms = _time_ms(lambda: run_step(model, inputs), device)
     step_bytes = decode_step_bytes(model, model.unimem.adapter, batch, prompt + 1)
     result = {
         "batch": batch, "prompt": prompt, "max_seq_len": prompt + NEW,

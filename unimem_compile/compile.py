@@ -221,12 +221,20 @@ def _given_generation_config(args, kwargs):
 
 
 def _generation_setting(model, kwargs, name: str, default, config=None):
-    """A generate() setting as transformers resolves it: the call's keyword, else the generation_config it
-    passes (``config``), else the model's."""
+    """A generate() setting as transformers resolves it, field by field: the call's keyword, else the
+    generation_config it passes (``config``) where that sets the field (differs from transformers'
+    default), else the model's generation_config, else ``default``."""
+    from transformers import GenerationConfig
+
     if kwargs.get(name) is not None:
         return kwargs[name]
-    config = config or kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    value = getattr(config, name, None)
+    config = config or kwargs.get("generation_config")
+    model_config = getattr(model, "generation_config", None)
+    if config is not None:
+        value = getattr(config, name, None)
+        if value is not None and (model_config is None or value != getattr(GenerationConfig(), name, None)):
+            return value
+    value = getattr(model_config, name, None)
     return default if value is None else value
 
 
@@ -377,6 +385,13 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
     def forward(*args, **kwargs):
         if kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or config_outputs:
             _check_outputs(model, kwargs)
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(cache, UnifiedCache):
+            if not cache.prepared:
+                raise UnsupportedModel("a forward with a UnifiedCache must follow cache.prepare_step(input_ids, "
+                                       "attention_mask) for its tokens (generate() does this before every step); "
+                                       "call generate(), or prepare the step first")
+            cache.prepared = False
         if torch.is_grad_enabled() and adapter.state_spec is not None and _requires_grad(model):
             raise UnsupportedModel(
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
@@ -453,6 +468,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         pad = setting("pad_token_id", None) if kwargs.get("attention_mask") is None else None
         cache.mask_hint = (f"no attention_mask was passed, so generate() inferred one from pad_token_id={pad}; "
                            "pass attention_mask explicitly") if pad is not None else None
+        cache.call_start = True  # the first step of this call checks the whole mask
         before = cache.fingerprint() if given is not None else None
         cache.defer_stop_check = given is None and handle.defers_stop_check(rows)
         kwargs[cache_key] = cache

@@ -617,3 +617,66 @@ def test_the_inferred_mask_hint_does_not_outlive_its_call(small):
         assert "inferred" not in str(e.value)
     finally:
         cache.release()
+
+
+def test_a_passed_generation_config_falls_back_to_the_models_per_field(small):
+    from transformers import GenerationConfig
+
+    ids, mask = prompts([5, 4], seed=51)
+    saved = small.generation_config.max_new_tokens
+    small.generation_config.max_new_tokens = 40  # > max_seq_len 32 once the prompt is added
+    try:
+        # the passed config leaves max_new_tokens unset: transformers takes the model's 40, so do the checks
+        with pytest.raises(GeometryError, match="longer than max_seq_len=32"):
+            small.generate(ids, GenerationConfig(top_k=20), attention_mask=mask)
+        with pytest.raises(GeometryError, match="longer than max_seq_len=32"):
+            small.generate(ids, attention_mask=mask, generation_config=GenerationConfig(top_k=20))
+    finally:
+        small.generation_config.max_new_tokens = saved
+    with torch.no_grad():  # a field the passed config does set wins over the model's
+        out = small.generate(ids, GenerationConfig(max_new_tokens=3, min_new_tokens=3), attention_mask=mask)
+    assert out.shape[1] == ids.shape[1] + 3
+
+
+def test_a_continuation_whose_mask_hides_cached_or_new_tokens_is_refused(small):
+    from unimem_compile.compile import _cache_kwarg
+
+    key = _cache_kwarg(small)
+    ids, mask = prompts([7, 5], seed=52)
+    cache = small.unimem.new_cache(2)
+    try:
+        with torch.no_grad():
+            first = small.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **{key: cache})
+            one = torch.randint(3, 1000, (2, 1), generator=torch.Generator().manual_seed(53))
+            grown = torch.cat([mask, torch.ones(2, 3 + 1, dtype=mask.dtype)], 1)
+            for col in (ids.shape[1] + 1, grown.shape[1] - 1):  # a cached token, then the one new token
+                bad = grown.clone()
+                bad[0, col] = 0
+                with pytest.raises(GeometryError, match=f"row 0's mask is 0 at position {col}"):
+                    small.generate(torch.cat([first, one], 1), attention_mask=bad, max_new_tokens=2, **{key: cache})
+                assert not cache.released  # refused before any step changed it
+            got = small.generate(torch.cat([first, one], 1), attention_mask=grown, max_new_tokens=2,
+                                 do_sample=False, **{key: cache})
+        assert got.shape[1] == first.shape[1] + 3
+    finally:
+        cache.release()
+
+
+def test_a_direct_forward_with_an_unprepared_cache_is_refused(small):
+    from unimem_compile.compile import _cache_kwarg
+
+    key = _cache_kwarg(small)
+    ids, _ = prompts([6], seed=54)
+    cache = small.unimem.new_cache(1)
+    try:
+        with torch.no_grad():
+            first = small.generate(ids, max_new_tokens=2, do_sample=False, **{key: cache})
+            before = cache.fingerprint()
+            with pytest.raises(UnsupportedModel, match="must follow cache.prepare_step"):
+                small(first[:, -1:], past_key_values=cache)
+            assert cache.fingerprint() == before
+            cache.prepare_step(first, None)  # the documented manual step works
+            logits = small(first[:, -1:], past_key_values=cache).logits
+        assert logits.shape[:2] == (1, 1) and logits.isfinite().all()
+    finally:
+        cache.release()

@@ -281,6 +281,11 @@ class UnifiedCache(Cache):
         #: set by generate() when the caller passed no attention_mask: transformers then infers one from
         #: pad_token_id, and a padding error says so
         self.mask_hint: str | None = None
+        #: set by generate() before its first step: that step reads the whole mask (a continuing call may
+        #: bring pads anywhere); later one-token steps only append ones and skip the read (no host sync)
+        self.call_start = False
+        #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
+        self.prepared = False
         self.undone_steps = 0
 
     def fingerprint(self) -> tuple:
@@ -344,8 +349,9 @@ class UnifiedCache(Cache):
         # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
         # ever appends ones to it. The first step and multi-token continuations are checked.
         mask = None
-        if attention_mask is not None and (self.logical_len == 0 or new > 1):
+        if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start):
             mask = attention_mask.detach().to("cpu", torch.bool)
+        self.call_start = False
         if self.logical_len == 0:
             try:
                 pads = self._left_pads(mask, batch, total)
@@ -368,14 +374,22 @@ class UnifiedCache(Cache):
             self._out_offset.copy_(pads.to(torch.int32))
             self.buffers.out_offset.copy_(self._out_offset)
         else:
-            if mask is not None and not bool(mask[:, -new:].all()):
-                row = int(torch.nonzero(~mask[:, -new:].all(-1))[0])
-                raise GeometryError(f"padding after the first step (right padding or mid-sequence pads) is not "
-                                    f"supported: row {row} has pads among its {new} new tokens")
+            if mask is not None:
+                # the cached tokens keep the mask of the first step: each row's left pads, then ones
+                expected = torch.arange(total)[None, :] >= self._out_offset.to(torch.int64)[:, None]
+                if not torch.equal(mask, expected):
+                    row = int(torch.nonzero((mask != expected).any(-1))[0])
+                    col = int(torch.nonzero(mask[row] != expected[row])[0])
+                    hint = f" ({self.mask_hint})" if self.mask_hint else ""
+                    raise GeometryError(
+                        f"padding after the first step (right padding or mid-sequence pads) is not supported: row "
+                        f"{row}'s mask is {int(mask[row, col])} at position {col}, where the row has "
+                        f"{int(self._out_offset[row])} left pads and {self.logical_len} cached tokens{hint}")
             if self.page_tables is not None:
                 self._write_locations(new, [n + new for n in self.page_tables.lengths])
         self.seq_length.fill_(self.logical_len)
         self.logical_len = total
+        self.prepared = True
 
     @staticmethod
     def _left_pads(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor:
