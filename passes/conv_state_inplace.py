@@ -78,8 +78,9 @@ class ConvStateInplace(Rewrite):
         copies = [u for u in gather.users if op_name(u) == "copy_" and u.args[0] is gather]
         scatters = [u for u in gather.users if is_op(u, torch.ops.unimem.state_scatter)]
         if len(cats) != 1 or len(copies) != 1 or len(scatters) != 1 or len(gather.users) != 3:
-            raise Refused(f"the gathered state's users are {sorted(str(op_name(u)) for u in gather.users)}, "
-                          "not one cat, one in-place copy_ and one state_scatter")
+            raise Refused(f"the gathered state is read by {sorted(str(op_name(u)) for u in gather.users)}; the "
+                          "rewrite needs exactly one cat, one in-place copy_ and one state_scatter (a decode "
+                          "step's conv update; prefill graphs differ)")
         cat, copy, scatter = cats[0], copies[0], scatters[0]
 
         tensors, dim = argument(cat, 0, "tensors"), argument(cat, 1, "dim", 0)
