@@ -30,7 +30,7 @@ import torch
 
 from .errors import GeometryError, UnsupportedModel
 from .hf.adapters import ModelAdapter, adapter_for
-from .hf.cache import StepBuffers, UnifiedCache
+from .hf.cache import StepBuffers, UnifiedCache, return_rows
 from .pool import ArenaLayout, UnifiedPool
 
 __all__ = ["compile", "UnimemHandle", "DEFERRED_STOP_MIN_ROWS"]
@@ -109,14 +109,7 @@ class UnimemHandle:
         ``release()`` (creating a cache does this first); returns how many such caches were reclaimed."""
         count = 0
         while self._orphans:
-            page_tables, slots, buffers = self._orphans.pop()
-            if page_tables is not None:
-                page_tables.release_all()
-            if slots:
-                self.pool.free_slots(slots)
-                slots.clear()
-            buffers.slot_ids.fill_(-1)
-            buffers.resident = None  # whichever cache steps next uploads its own tables
+            return_rows(self.pool, *self._orphans.pop())
             count += 1
         return count
 
@@ -220,19 +213,24 @@ def _given_generation_config(args, kwargs):
     return None
 
 
+@functools.cache
+def _default_generation_config():
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
+
+
 def _generation_setting(model, kwargs, name: str, default, config=None):
     """A generate() setting as transformers resolves it, field by field: the call's keyword, else the
     generation_config it passes (``config``) where that sets the field (differs from transformers'
     default), else the model's generation_config, else ``default``."""
-    from transformers import GenerationConfig
-
     if kwargs.get(name) is not None:
         return kwargs[name]
     config = config or kwargs.get("generation_config")
     model_config = getattr(model, "generation_config", None)
     if config is not None:
         value = getattr(config, name, None)
-        if value is not None and (model_config is None or value != getattr(GenerationConfig(), name, None)):
+        if value is not None and (model_config is None or value != getattr(_default_generation_config(), name, None)):
             return value
     value = getattr(model_config, name, None)
     return default if value is None else value

@@ -232,6 +232,19 @@ class KDACacheLayer(LinearAttentionCacheLayerMixin):
         return f"KDACacheLayer(state_layer={self.state_layer})"
 
 
+def return_rows(pool: UnifiedPool, page_tables: PageTables | None, slots: list[int], buffers: StepBuffers) -> None:
+    """Give a cache's pages and state slots back to ``pool`` (``slots`` is emptied in place) and mark the
+    shared step ``buffers`` as holding nobody's tables (the next cache to step uploads its own). Used by
+    :meth:`UnifiedCache.release` and for caches collected without it (``UnimemHandle.reclaim_orphans``)."""
+    if page_tables is not None:
+        page_tables.release_all()  # uploads the emptied table into the shared buffers
+    if slots:
+        pool.free_slots(slots)
+        slots.clear()
+    buffers.slot_ids.fill_(-1)
+    buffers.resident = None
+
+
 class UnifiedCache(Cache):
     """A transformers ``Cache`` over a unimem pool, for one batch of ``batch_size`` rows.
 
@@ -310,12 +323,16 @@ class UnifiedCache(Cache):
             return
         if self.page_tables is not None:
             self.page_tables.sync()  # the whole host page table and lengths, in stream order
-        if self.slots:
-            buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
-        else:
-            buffers.slot_ids.fill_(-1)
-        buffers.out_offset.copy_(self._out_offset)
+        self._upload_rows()
         buffers.resident = weakref.ref(self)
+
+    def _upload_rows(self) -> None:
+        """This cache's state slots (-1 without any) and left pads into the shared step buffers."""
+        if self.slots:
+            self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
+        else:
+            self.buffers.slot_ids.fill_(-1)
+        self.buffers.out_offset.copy_(self._out_offset)
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -369,10 +386,8 @@ class UnifiedCache(Cache):
                         self.pool.free_slots(self.slots)
                         self.slots.clear()
                     raise
-            if self.slots:
-                self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
             self._out_offset.copy_(pads.to(torch.int32))
-            self.buffers.out_offset.copy_(self._out_offset)
+            self._upload_rows()
         else:
             if mask is not None:
                 # the cached tokens keep the mask of the first step: each row's left pads, then ones
@@ -513,15 +528,8 @@ class UnifiedCache(Cache):
 
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
-        if self.page_tables is not None:
-            self.page_tables.release_all()  # uploads the emptied table into the shared buffers
-        if self.slots:
-            self.pool.free_slots(self.slots)
-            self.slots.clear()
-            self.buffers.slot_ids.fill_(-1)
+        return_rows(self.pool, self.page_tables, self.slots, self.buffers)
         self._out_offset.zero_()
-        # the buffers now hold nobody's tables: whichever cache steps next uploads its own
-        self.buffers.resident = None
         self.logical_len = 0
         self.seq_length.fill_(0)
         self.write_loc = self.buffers.decode_loc
