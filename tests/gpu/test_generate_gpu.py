@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 import unimem_compile  # noqa: E402
 from unimem_compile.hf.models import build_model  # noqa: E402
 
+from ..prompts import left_padded  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
@@ -45,13 +47,7 @@ class CountForwards:
 
 
 def _prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 1024, (n,), generator=g)
-        mask[i, width - n:] = 1
+    ids, mask = left_padded(lengths, torch.Generator().manual_seed(seed))
     return ids.cuda(), mask.cuda()
 
 

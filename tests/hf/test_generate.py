@@ -12,21 +12,16 @@ import unimem_compile
 from unimem_compile.errors import GeometryError, UnsupportedModel
 from unimem_compile.hf.models import build_model
 
+from ..prompts import left_padded
+
 FAMILIES = ["kimi-linear-tiny", "deepseek-v3-tiny"]
 MAX_SEQ = 160
 PAGE = 16
 
 
 def prompts(lengths, seed, vocab=1024):
-    """Left-padded random prompts of the given lengths."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    """Left-padded random prompts of the given lengths, from a generator seeded with ``seed``."""
+    return left_padded(lengths, torch.Generator().manual_seed(seed), vocab)
 
 
 def greedy(model, ids, mask, new_tokens, **kw):

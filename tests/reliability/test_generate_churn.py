@@ -20,6 +20,8 @@ import unimem_compile
 from unimem_compile.demo import teacher_forced_logits
 from unimem_compile.hf.models import build_model
 
+from ..prompts import left_padded
+
 #: max |logit(batched) - logit(alone)|: fp32 sums in a different order (padding changes the shapes);
 #: observed about 2e-6 on logits of order 1
 TOLERANCE = 1e-4
@@ -28,12 +30,7 @@ MAX_PROMPT, MAX_NEW = 20, 12
 
 
 def _left_padded(lengths, gen):
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 1024, (n,), generator=gen)
-        mask[i, width - n:] = 1
+    ids, mask = left_padded(lengths, gen)
     return ids, (None if bool(mask.all()) else mask)
 
 
