@@ -197,7 +197,7 @@ class MultiEndedAllocator:
     def slots_used(self) -> int:
         return self.state.live
 
-    _as_int = staticmethod(lambda value, what: as_int(value, what))
+    _as_int = staticmethod(as_int)
 
     def _require(self, s: _Side, side: str) -> None:
         if not s.unit_bytes:
