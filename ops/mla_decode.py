@@ -20,6 +20,7 @@ computed inside the kernel from ``kv_len``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -28,6 +29,7 @@ import triton.language as tl
 from unimem_compile.errors import GeometryError
 
 from .common import KERNEL_KV_DTYPES, check_mla_geometry, check_same_device, check_tensor, debug_checks
+from .mla_decode_hopper import WGMMA_BLOCK_N, mla_decode_stage1_wgmma, wgmma_supported
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -40,6 +42,10 @@ BLOCKS_PER_SM = 2
 MAX_BLOCK_H = 32
 #: Stand-in SM count when the kernels run in the interpreter (CPU tensors).
 INTERPRETER_SMS = 4
+#: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
+KERNELS = ("auto", "portable", "wgmma")
+#: Environment override of the stage-1 form for every call (benchmarks, A/B runs): one of KERNELS.
+KERNEL_ENV = "UNIMEM_MLA_DECODE_KERNEL"
 
 _LOG2E = 1.4426950408889634
 
@@ -284,7 +290,7 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
     qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-    partial_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None, kernel: str | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
@@ -298,6 +304,13 @@ def mla_decode_triton(
         partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (default
             fp32: bf16 partials measured 2-3% faster on an H200 in the third session's sweeps but slower in
             an earlier run, and add a rounding). The log-sum-exps are always fp32.
+        kernel: stage-1 form, one of :data:`KERNELS` (default: the ``UNIMEM_MLA_DECODE_KERNEL``
+            environment variable, else "auto"). "auto" takes the Hopper TMA + wgmma kernel where
+            :func:`~.mla_decode_hopper.wgmma_supported` says it applies (sm_90, bf16/fp16, page size a
+            multiple of 64, R 512, Dr 64) and the portable Triton kernel elsewhere; "wgmma"
+            raises ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
+            ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a 2-deep TMA ring) and its
+            default split count assumes one resident program per SM.
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -315,13 +328,27 @@ def mla_decode_triton(
         _check_live_pages(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
-    if block_n is None:
+    kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
+    if kernel not in KERNELS:
+        raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
+    fits_wgmma = wgmma_supported(q_nope.device, kv_dtype, page_size, kv_lora_rank, qk_rope_head_dim)
+    if kernel == "wgmma" and not fits_wgmma:
+        raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU, bf16/fp16 KV, page_size % 64 == 0, "
+                         f"kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
+                         f"{kv_dtype}, page_size {page_size}, kv_lora_rank {kv_lora_rank}, "
+                         f"qk_rope_head_dim {qk_rope_head_dim}")
+    use_wgmma = fits_wgmma and kernel != "portable"
+    if use_wgmma:
+        block_n = WGMMA_BLOCK_N
+    elif block_n is None:
         block_n = 64 if page_size % 64 == 0 else 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{op}: block_n must be a power of two >= 16, got {block_n}")
     block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    if use_wgmma and block_h not in (16, 32):
+        raise ValueError(f"{op}: the wgmma kernel takes block_h 16 or 32, got {block_h}")
     splits = num_splits or mla_decode_num_splits(B, P, H, page_size, q_nope.device, block_n=block_n,
-                                                 block_h=block_h)
+                                                 block_h=block_h, blocks_per_sm=1 if use_wgmma else BLOCKS_PER_SM)
     if splits < 1:
         raise ValueError(f"{op}: num_splits must be positive, got {splits}")
     out = torch.empty((B, H, R), dtype=q_nope.dtype, device=q_nope.device)
@@ -342,6 +369,26 @@ def mla_decode_triton(
         part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
     else:
         part_o = part_lse = out  # unused by the kernel when there is one split
+    if use_wgmma:
+        mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse, out,
+                                sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num, splits,
+                                block_h)
+    else:
+        _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, page_size,
+                         layer, layer_num, H, splits, qk_rope_head_dim, kv_dtype, block_h, block_n, num_warps,
+                         num_stages)
+    if splits > 1:
+        _mla_decode_merge_kernel[(B, H)](
+            part_o, part_lse, kv_len, out, P * page_size, H, splits,
+            R=R, BLOCK_R=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
+        )
+    return out
+
+
+def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, page_size,
+                     layer, layer_num, H, splits, qk_rope_head_dim, kv_dtype, block_h, block_n, num_warps,
+                     num_stages) -> None:
+    B, _, R = q_nope.shape
     page_tile = page_size % block_n == 0
     if num_stages is None:
         num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
@@ -355,12 +402,6 @@ def mla_decode_triton(
         SPLIT=splits > 1, PAGE_TILE=page_tile, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        _mla_decode_merge_kernel[(B, H)](
-            part_o, part_lse, kv_len, out, P * page_size, H, splits,
-            R=R, BLOCK_R=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- declaration

@@ -1,0 +1,258 @@
+"""Hopper (sm_90) form of ``unimem::mla_decode`` stage 1: TMA page loads + wgmma, written in Gluon.
+
+Why a second kernel: the portable Triton kernel (:mod:`.mla_decode`) reaches 2.8-3.4 TB/s on an H200 and
+no Triton-level knob moves it further (benchmarks/RESULTS.md, issue 4). Its compiled form shows why:
+with 32 heads the score product ``[32 heads, D] x [D, 64 tokens]`` is too short in M for wgmma, so Triton
+uses mma.sync, loads every KV tile from shared memory into registers twice (``ldmatrix``, two warps along
+M each read all of it), and at ``num_stages=2`` gives each tile ONE shared buffer (the next tile's copy
+starts only after the current tile's second product), so a program never overlaps its loads with its
+math; two programs per SM hide each other's waits, not their own.
+
+This kernel turns the products around so they fit wgmma without padding (token-major, as FlashMLA
+does for its score tile):
+
+    S^T [64 tokens, Hb]  = sum_c K_c [64 tokens, 64] @ Q_c^T [64, Hb]       (9 chunks of 64 columns)
+    O^T_c [64, Hb]      += V_c^T [64 columns, 64 tokens] @ P^T [64 tokens, Hb]   (c < R / 64)
+
+Both operands of both products stay in shared memory (wgmma reads them there; nothing is copied into
+registers), the per-head softmax statistics live along wgmma's N axis in both products, and the KV tiles
+arrive by TMA (one ``[64 rows, 64 columns]`` box per chunk, 128-byte swizzled, 9 boxes per 64-token page
+run) into a ring of ``STAGES`` buffers with one mbarrier each, so tile ``j + 1`` (and ``j + 2`` once
+buffer ``j`` is released) is in flight while tile ``j`` is multiplied.
+
+Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 KV, ``page_size % 64 == 0`` (a 64-token tile is
+one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
+``qk_rope_head_dim == 64``: the geometry of Kimi-Linear and DeepSeek-V2/V3. Everything
+else, and the CPU interpreter, uses the portable kernel. The merge (stage 2) is the portable kernel's.
+
+Tokens of the last tile past ``end`` are still loaded (TMA moves whole boxes) from the same page; their
+scores are masked to ``-inf`` and their value rows are zeroed in shared memory before the second product
+(a row of stale or NaN bytes times a zero probability would still be NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any import problem means "not here"
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the portable kernel serves
+    gluon = None
+
+__all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES"]
+
+#: Tokens per tile (one TMA box of rows; wgmma M).
+WGMMA_BLOCK_N = 64
+#: Columns per shared-memory chunk: 128 bytes of bf16, the widest 128-byte-swizzled TMA box.
+_CHUNK = 64
+#: KV ring depth: 2 x 72 KiB tiles + 36 KiB of queries + 4 KiB of probabilities = 184 KiB (one CTA per SM).
+WGMMA_STAGES = 2
+
+
+def wgmma_supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, kv_lora_rank: int,
+                    qk_rope_head_dim: int) -> bool:
+    """True when :func:`mla_decode_stage1_wgmma` can serve this geometry on ``device`` (see module doc)."""
+    if gluon is None or device.type != "cuda" or not _is_sm90(device.index):
+        return False
+    return (kv_dtype in (torch.bfloat16, torch.float16) and page_size % WGMMA_BLOCK_N == 0
+            and kv_lora_rank == 8 * _CHUNK and qk_rope_head_dim == _CHUNK)
+
+
+@functools.cache
+def _is_sm90(index: int | None) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, t0, num_pages, layer_rows, stage,
+                    PS: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, CHUNK: gl.constexpr):
+        # page lookup of tokens [t0, t0 + 64) (one page run) and the 9 TMA boxes of that run into `stage`
+        vpage = gl.load(pt_row_ptr + t0 // PS).to(gl.int64)
+        ok = (vpage >= 0) & (vpage < num_pages)
+        ppage = gl.load(v2p_ptr + gl.where(ok, vpage, 0))
+        ppage = gl.where(ok, gl.maximum(ppage, 0), 0)  # tombstone / bad entry -> page 0, the all-zero sink
+        row0 = (ppage * (PS * L) + layer_rows + t0 % PS).to(gl.int32)
+        bar = bars.index(stage)
+        mbarrier.expect(bar, NCH * kv_desc.block_type.nbytes)
+        for c in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(kv_desc, [row0, c * CHUNK], bar, kv_smem.index(stage * NCH + c))
+
+    @gluon.jit
+    def _mla_decode_wgmma_kernel(
+        kv_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+        qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
+        R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+        STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        BLOCK_N: gl.constexpr = 64
+        CHUNK: gl.constexpr = 64
+        NC: gl.constexpr = R // CHUNK  # value chunks
+        NCH: gl.constexpr = NC + 1  # + the rope chunk
+        g = gl.program_id(0)
+        b = gl.program_id(1)
+        s = gl.program_id(2)
+        kv_ty: gl.constexpr = kv_desc.dtype
+
+        # split bounds: as the portable kernel's _split_bounds with BLOCK_N = 64
+        n = gl.minimum(gl.maximum(gl.load(kv_len_ptr + b), 0), max_tokens)
+        split_len = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+        start = s * split_len
+        end = gl.maximum(gl.minimum(start + split_len, n), start)
+        num_tiles = gl.cdiv(end - start, BLOCK_N)
+
+        # layouts: wgmma accumulators [64, BLOCK_H] (tokens or value columns along M, heads along N)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        head_l: gl.constexpr = gl.SliceLayout(0, mma)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols] loads
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
+
+        kv_smem = gl.allocate_shared_memory(kv_ty, [STAGES * NCH, BLOCK_N, CHUNK], kv_desc.layout)
+        q_smem = gl.allocate_shared_memory(kv_ty, [NCH, BLOCK_H, CHUNK], q_sl)
+        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        pt_row_ptr = page_table_ptr + b.to(gl.int64) * stride_pt_b
+        # the first STAGES tiles go out before the queries are staged
+        for i in gl.static_range(STAGES):
+            if i < num_tiles:
+                _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, start + i * BLOCK_N, num_pages,
+                            layer_rows, i, PS, L, NCH, CHUNK)
+
+        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
+        offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
+        h_ok = (offs_h < H)[:, None]
+        qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
+        for c in gl.static_range(NC):
+            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
+        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        fence_async_shared()
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
+        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
+        acc0 = zero
+        acc1 = zero
+        acc2 = zero
+        acc3 = zero
+        acc4 = zero
+        acc5 = zero
+        acc6 = zero
+        acc7 = zero
+        gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
+        offs_t = gl.arange(0, BLOCK_N, layout=row_l)
+        offs_tl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        for j in range(num_tiles):
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            t0 = start + j * BLOCK_N
+            base = st * NCH
+            if end - t0 < BLOCK_N:
+                # last, partial tile: zero the value rows of tokens >= end (their bytes may be anything)
+                keep = (t0 + offs_tl < end)[:, None]
+                for c in gl.static_range(NC):
+                    chunk = kv_smem.index(base + c)
+                    chunk.store(gl.where(keep, chunk.load(ld), 0.0))
+                fence_async_shared()
+            sacc = warpgroup_mma(kv_smem.index(base), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            for c in gl.static_range(1, NCH):
+                sacc = warpgroup_mma(kv_smem.index(base + c), q_smem.index(c).permute((1, 0)), sacc,
+                                     is_async=True)
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+            scores = gl.where((t0 + offs_t < end)[:, None], sacc * qk_scale, float("-inf"))  # base 2
+            m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(kv_ty))
+            fence_async_shared()
+            a2 = alpha[None, :]
+            acc0 = warpgroup_mma(kv_smem.index(base + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
+            acc1 = warpgroup_mma(kv_smem.index(base + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
+            acc2 = warpgroup_mma(kv_smem.index(base + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
+            acc3 = warpgroup_mma(kv_smem.index(base + 3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
+            acc4 = warpgroup_mma(kv_smem.index(base + 4).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
+            acc5 = warpgroup_mma(kv_smem.index(base + 5).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
+            acc6 = warpgroup_mma(kv_smem.index(base + 6).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
+            acc7 = warpgroup_mma(kv_smem.index(base + 7).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))
+            # buffer `st` is free again: refill it with tile j + STAGES
+            if j + STAGES < num_tiles:
+                _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, t0 + STAGES * BLOCK_N, num_pages,
+                            layer_rows, st, PS, L, NCH, CHUNK)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # epilogue: O^T chunks / l -> [heads, R] rows (value columns contiguous)
+        l_safe = gl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
+        inv = (1.0 / l_safe)[None, :]
+        st_l: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])  # [64 cols, heads], cols fastest
+        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, st_l))
+        offs_hs = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, st_l))
+        hs_ok = (offs_hs < H)[None, :]
+        if SPLIT:
+            if start < end:  # an unused split stores nothing: the merge reads only the splits holding tokens
+                slot = (b.to(gl.int64) * num_splits + s) * H + offs_hs
+                dst = part_o_ptr + slot[None, :] * R + offs_r[:, None]
+                _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                              part_o_ptr.dtype.element_ty, CHUNK)
+                offs_hl = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
+                slot_l = (b.to(gl.int64) * num_splits + s) * H + offs_hl
+                gl.store(part_lse_ptr + slot_l, m_i + gl.log2(l_safe), mask=offs_hl < H)
+        else:
+            dst = out_ptr + (b.to(gl.int64) * H + offs_hs[None, :]) * R + offs_r[:, None]
+            _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                          out_ptr.dtype.element_ty, CHUNK)
+
+    @gluon.jit
+    def _store_chunks(dst, ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l: gl.constexpr,
+                      out_ty: gl.constexpr, CHUNK: gl.constexpr):
+        gl.store(dst + 0 * CHUNK, gl.convert_layout((acc0 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 1 * CHUNK, gl.convert_layout((acc1 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 2 * CHUNK, gl.convert_layout((acc2 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 3 * CHUNK, gl.convert_layout((acc3 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 4 * CHUNK, gl.convert_layout((acc4 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 5 * CHUNK, gl.convert_layout((acc5 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 6 * CHUNK, gl.convert_layout((acc6 * inv).to(out_ty), st_l), mask=ok)
+        gl.store(dst + 7 * CHUNK, gl.convert_layout((acc7 * inv).to(out_ty), st_l), mask=ok)
+
+
+def kv_descriptor(kv: torch.Tensor) -> "TensorDescriptor":
+    """TMA descriptor of the arena's latent rows: ``kv`` is ``[rows, R + Dr]`` (bf16/fp16, contiguous);
+    boxes are ``[64 rows, 64 columns]``, 128-byte swizzled. Rows past the end read as zeros."""
+    layout = gl.NVMMASharedLayout.get_default_for([WGMMA_BLOCK_N, _CHUNK],
+                                                  gl.bfloat16 if kv.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(kv, list(kv.shape), list(kv.stride()), [WGMMA_BLOCK_N, _CHUNK], layout)
+
+
+def mla_decode_stage1_wgmma(q_nope, q_rope, kv2d, v2p, page_table, kv_len, part_o, part_lse, out, qk_scale: float,
+                            max_tokens: int, layer_rows: int, page_size: int, layer_num: int, splits: int,
+                            block_h: int, stages: int = WGMMA_STAGES) -> None:
+    """Launch stage 1 on grid ``(cdiv(H, block_h), B, splits)`` (arguments as the portable kernel's; ``kv2d``
+    is the arena viewed as ``[rows, R + Dr]``). Writes ``part_o``/``part_lse`` when ``splits > 1``, else ``out``."""
+    B, H, R = q_nope.shape
+    _mla_decode_wgmma_kernel[(triton.cdiv(H, block_h), B, splits)](
+        kv_descriptor(kv2d), q_nope, q_rope, v2p, page_table, kv_len, part_o, part_lse, out,
+        qk_scale, v2p.numel(), max_tokens, layer_rows, H, splits,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
+        R=R, PS=page_size, L=layer_num, BLOCK_H=block_h, SPLIT=splits > 1, STAGES=stages, num_warps=4,
+    )
