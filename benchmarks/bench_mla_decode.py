@@ -9,7 +9,11 @@ medians (L2 flushed between runs) of a CUDA-graph replay of the call, i.e. GPU t
 launch cost (how a compiled model with cudagraphs runs it); the eager time per call (launcher and
 dispatch included, what an uncaptured model pays) is reported beside it.
 
-usage: python benchmarks/bench_mla_decode.py [--out results.json] [--quick]
+The stage-1 kernel is the op's default for the device (on an sm_90 GPU the Hopper TMA + wgmma kernel of
+ops/mla_decode_hopper.py, else the portable Triton kernel); ``--kernel portable`` times the portable one
+there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one ran.
+
+usage: python benchmarks/bench_mla_decode.py [--out results.json] [--quick] [--kernel auto|portable|wgmma]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import time
 
@@ -26,6 +31,7 @@ import triton
 import triton.language as tl
 
 from unimem_compile.ops import mla_decode as md
+from unimem_compile.ops import mla_decode_hopper
 
 H, R, DR, L, LAYER = 32, 512, 64, 7, 3
 D = R + DR
@@ -151,12 +157,22 @@ def cpu_us_per_call(fn, n: int = 200) -> float:
     return us
 
 
+def kernel_name(choice: str) -> str:
+    """The stage-1 form the op runs here for the benchmark's geometry."""
+    if choice != "auto":
+        return choice
+    fits = md.wgmma_supported(torch.device("cuda"), torch.bfloat16, 64, R, DR)
+    return "wgmma" if fits else "portable"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--max-tokens", type=int, default=4 * 2**20, help="skip points with more tokens in total")
+    ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     args = ap.parse_args()
+    os.environ[md.KERNEL_ENV] = args.kernel
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
     contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
@@ -170,11 +186,14 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "conditions": f"bf16, {H} heads, R {R} + Dr {DR}, {L}-layer page envelope, page size {setup.ps}, "
                       "full rows on randomly permuted pages, do_bench median (L2 flushed)",
-        "defaults": {"block_n": 64, "num_warps": 4, "num_stages": 2, "blocks_per_sm": md.BLOCKS_PER_SM},
+        "kernel": kernel_name(args.kernel),
+        "defaults": ({"block_n": 64, "num_warps": 4, "stages": mla_decode_hopper.WGMMA_STAGES, "blocks_per_sm": 1}
+                     if kernel_name(args.kernel) == "wgmma" else
+                     {"block_n": 64, "num_warps": 4, "num_stages": 2, "blocks_per_sm": md.BLOCKS_PER_SM}),
         "read_ceiling_tbs": ceiling,
         "points": [],
     }
-    print(f"HBM read ceiling: {ceiling:.2f} TB/s")
+    print(f"HBM read ceiling: {ceiling:.2f} TB/s; stage-1 kernel: {result['kernel']}")
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8}")
     for batch, context in points:
         q_nope, q_rope, page_table, kv_len = setup.inputs(batch, context)
@@ -182,7 +201,8 @@ def main() -> None:
         ms = bench_graph(lambda: torch.ops.unimem.mla_decode(*a))
         eager_ms = bench(lambda: torch.ops.unimem.mla_decode(*a))
         tbs = effective_bytes(batch, context) / ms / 1e9
-        splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device)
+        splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device,
+                                          blocks_per_sm=result["defaults"]["blocks_per_sm"])
         result["points"].append({"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
                                  "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms})
         print(f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "

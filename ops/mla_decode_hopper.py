@@ -246,10 +246,12 @@ def kv_descriptor(kv: torch.Tensor) -> "TensorDescriptor":
 
 def mla_decode_stage1_wgmma(q_nope, q_rope, kv2d, v2p, page_table, kv_len, part_o, part_lse, out, qk_scale: float,
                             max_tokens: int, layer_rows: int, page_size: int, layer_num: int, splits: int,
-                            block_h: int, stages: int = WGMMA_STAGES) -> None:
+                            block_h: int, stages: int | None = None) -> None:
     """Launch stage 1 on grid ``(cdiv(H, block_h), B, splits)`` (arguments as the portable kernel's; ``kv2d``
-    is the arena viewed as ``[rows, R + Dr]``). Writes ``part_o``/``part_lse`` when ``splits > 1``, else ``out``."""
+    is the arena viewed as ``[rows, R + Dr]``; ``stages`` defaults to :data:`WGMMA_STAGES`, read per call).
+    Writes ``part_o``/``part_lse`` when ``splits > 1``, else ``out``."""
     B, H, R = q_nope.shape
+    stages = stages or WGMMA_STAGES
     _mla_decode_wgmma_kernel[(triton.cdiv(H, block_h), B, splits)](
         kv_descriptor(kv2d), q_nope, q_rope, v2p, page_table, kv_len, part_o, part_lse, out,
         qk_scale, v2p.numel(), max_tokens, layer_rows, H, splits,

@@ -72,3 +72,26 @@ for b, c in ((64, 4096), (32, 4096), (128, 4096)):
     print("splits", f"{b}x{c}", row, flush=True)
 res["elapsed_s"] = time.time() - t_start
 json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
+
+# ring depth 1 (112.5 KiB: two programs per SM) against 2 (184 KiB: one per SM), with split counts for both
+if os.environ.get("STAGES_SWEEP"):
+    from unimem_compile.ops import mla_decode_hopper as hop
+    res["stages"] = {}
+    for b, c in ((64, 4096), (32, 4096), (128, 4096), (64, 16384), (256, 4096)):
+        qn, qr, pt, kl = setup.inputs(b, c)
+        a = setup.args(qn, qr, pt, kl, sm)
+        eb = effective_bytes(b, c)
+        row = {}
+        for stages in (1, 2):
+            hop.WGMMA_STAGES = stages
+            if stages == 1:
+                got = md.mla_decode_triton(*a, kernel="wgmma").float()
+                row["err_1"] = float((got - md.mla_decode_reference(*a).float()).abs().max())
+            for bps in (1, 2, 3):
+                sp = md.mla_decode_num_splits(b, pt.shape[1], H, 64, qn.device, blocks_per_sm=bps)
+                row[f"st{stages}_sp{sp}"] = round(eb / bench_graph(
+                    lambda: md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp)) / 1e9, 4)
+        hop.WGMMA_STAGES = 2
+        res["stages"][f"{b}x{c}"] = row
+        print("stages", f"{b}x{c}", row, flush=True)
+    json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
