@@ -35,7 +35,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case "$s" in
-    gpu_tests) run_step gpu_tests 220 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu
+    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu
                run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;

@@ -247,3 +247,20 @@ def test_bad_inputs_raise_specific_errors(gen):
         call(a7=3)
     with pytest.raises(ValueError, match="block_n"):
         md.mla_decode_triton(*args, block_n=24)
+
+
+def test_kernel_choice_portable_on_cpu_and_explicit_wgmma_refused_where_it_does_not_apply(gen, monkeypatch):
+    paged = Paged(16, [20, 5], torch.float32, gen)
+    qn, qr = paged.queries(gen)
+    args = paged.args(qn, qr)
+    assert not md.wgmma_supported(torch.device("cpu"), torch.bfloat16, 64, 512, 64)
+    want = md.mla_decode_triton(*args, kernel="portable")
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # auto -> portable here
+    monkeypatch.setenv(md.KERNEL_ENV, "portable")
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=rf"wgmma kernel needs an sm_90 GPU.*got device cpu, torch.float32, "
+                                         rf"page_size 16, kv_lora_rank {R}, qk_rope_head_dim {DR}"):
+        md.mla_decode_triton(*args, kernel="wgmma")
+    monkeypatch.setenv(md.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'portable', 'wgmma'\), got 'fastest'"):
+        md.mla_decode_triton(*args)
