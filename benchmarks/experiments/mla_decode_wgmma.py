@@ -95,3 +95,34 @@ if os.environ.get("STAGES_SWEEP"):
         res["stages"][f"{b}x{c}"] = row
         print("stages", f"{b}x{c}", row, flush=True)
     json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
+
+# chunk-by-chunk refill of a ring buffer as the value products release it, against refilling after all
+# of them (WGMMA_EARLY_REFILL), alternating the two forms per repeat
+if os.environ.get("EARLY_SWEEP"):
+    from unimem_compile.ops import mla_decode_hopper as hop
+    res["early_refill"] = {"checks": [], "points": {}}
+    default_early = hop.WGMMA_EARLY_REFILL
+    qn, qr, pt, kl = setup.inputs(8, 4096)
+    kl.copy_(torch.tensor([1, 100, 2049, 4096, 0, 63, 64, 65], dtype=torch.int32))
+    a = setup.args(qn, qr, pt, kl, sm)
+    want = md.mla_decode_reference(*a).float()
+    hop.WGMMA_EARLY_REFILL = True
+    for sp in (None, 1, 2, 5):
+        got = md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp).float()
+        res["early_refill"]["checks"].append({"splits": sp, "max_abs_err": float((got - want).abs().max()),
+                                              "finite": bool(got.isfinite().all())})
+    print("early checks", res["early_refill"]["checks"], flush=True)
+    pts = [(64, 4096), (128, 4096), (64, 16384), (32, 4096), (256, 4096), (1, 32768), (8, 4096), (32, 32768)]
+    for b, c in pts:
+        qn, qr, pt, kl = setup.inputs(b, c)
+        a = setup.args(qn, qr, pt, kl, sm)
+        eb = effective_bytes(b, c)
+        row = {"late": [], "early": []}
+        for _ in range(3):
+            for name, flag in (("late", False), ("early", True)):
+                hop.WGMMA_EARLY_REFILL = flag
+                row[name].append(round(eb / bench_graph(lambda: md.mla_decode_triton(*a, kernel="wgmma")) / 1e9, 4))
+        res["early_refill"]["points"][f"{b}x{c}"] = row
+        print("early", f"{b}x{c}", row, flush=True)
+    hop.WGMMA_EARLY_REFILL = default_early
+    json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
