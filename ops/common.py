@@ -199,6 +199,31 @@ def check_live_locations(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_si
         raise GeometryError(f"{op}: {int(bad.sum())} locations are not on live pages: {detail}")
 
 
+def check_live_page_table(op: str, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
+                          page_size: int) -> None:
+    """(UNIMEM_DEBUG) ``0 <= kv_len[b] <= P * page_size`` and every page-table column holding a token below
+    ``kv_len[b]`` names a live virtual page (>= 1, in range, mapped).
+
+    Raises GeometryError naming the first bad ``kv_len``, or up to 8 offending (row, page-table column)
+    pairs with their virtual page ids.
+    """
+    P = page_table.shape[1]
+    lens = kv_len.to(torch.int64)
+    bad_len = torch.nonzero((lens < 0) | (lens > P * page_size)).reshape(-1)
+    if bad_len.numel():
+        b = int(bad_len[0])
+        raise GeometryError(f"{op}: kv_len[{b}] = {int(lens[b])} is outside [0, {P} pages x {page_size} tokens]")
+    used = torch.arange(P, device=page_table.device)[None, :] < (lens[:, None] + page_size - 1) // page_size
+    vpage = page_table.to(torch.int64)
+    in_range = (vpage >= 1) & (vpage < v2p.numel())
+    ppage = torch.where(in_range, v2p[vpage.clamp(0, v2p.numel() - 1)], -1)
+    bad = torch.nonzero(used & (ppage <= 0))
+    if bad.numel():
+        detail = ", ".join(f"row {int(b)} page slot {int(j)}: virtual page {int(page_table[b, j])}"
+                           for b, j in bad[:8].tolist())
+        raise GeometryError(f"{op}: {bad.shape[0]} pages inside kv_len are not live: {detail}")
+
+
 def check_live_slots(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor) -> None:
     """(UNIMEM_DEBUG) every slot id >= 0 must be a live virtual slot (>= 1, mapped, in range)."""
     flat = slot_ids.reshape(-1).to(torch.int64)

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from unimem_compile.errors import GeometryError
 
-from .common import KERNEL_KV_DTYPES, check_mla_geometry, check_same_device, check_tensor, debug_checks
+from .common import (KERNEL_KV_DTYPES, check_live_page_table, check_mla_geometry, check_same_device, check_tensor,
+                     debug_checks)
 from .mla_decode_hopper import WGMMA_BLOCK_N, mla_decode_stage1_wgmma, wgmma_supported
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
@@ -265,26 +266,6 @@ def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer
     check_same_device(op, q_nope=q_nope, q_rope=q_rope, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len)
 
 
-def _check_live_pages(op: str, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-                      page_size: int) -> None:
-    """(UNIMEM_DEBUG) kv_len within the table, and every page holding a token < kv_len live."""
-    P = page_table.shape[1]
-    lens = kv_len.to(torch.int64)
-    bad_len = torch.nonzero((lens < 0) | (lens > P * page_size)).reshape(-1)
-    if bad_len.numel():
-        b = int(bad_len[0])
-        raise GeometryError(f"{op}: kv_len[{b}] = {int(lens[b])} is outside [0, {P} pages x {page_size} tokens]")
-    used = torch.arange(P, device=page_table.device)[None, :] < (lens[:, None] + page_size - 1) // page_size
-    vpage = page_table.to(torch.int64)
-    in_range = (vpage >= 1) & (vpage < v2p.numel())
-    ppage = torch.where(in_range, v2p[vpage.clamp(0, v2p.numel() - 1)], -1)
-    bad = torch.nonzero(used & (ppage <= 0))
-    if bad.numel():
-        detail = ", ".join(f"row {int(b)} page slot {int(j)}: virtual page {int(page_table[b, j])}"
-                           for b, j in bad[:8].tolist())
-        raise GeometryError(f"{op}: {bad.shape[0]} pages inside kv_len are not live: {detail}")
-
-
 def mla_decode_triton(
     q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
     kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
@@ -325,7 +306,7 @@ def mla_decode_triton(
     _check(op, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
            qk_rope_head_dim, kv_dtype)
     if debug_checks():
-        _check_live_pages(op, v2p, page_table, kv_len, page_size)
+        check_live_page_table(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
     kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
@@ -436,7 +417,7 @@ def mla_decode(
     _check("mla_decode", q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size,
            kv_lora_rank, qk_rope_head_dim, kv_dtype)
     if debug_checks():
-        _check_live_pages("mla_decode", v2p, page_table, kv_len, page_size)
+        check_live_page_table("mla_decode", v2p, page_table, kv_len, page_size)
     return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num,
                                 page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
 

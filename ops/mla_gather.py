@@ -18,7 +18,7 @@ import triton.language as tl
 
 from unimem_compile.errors import GeometryError
 
-from .common import check_live_locations, check_mla_geometry, check_same_device, check_tensor, debug_checks
+from .common import check_live_page_table, check_mla_geometry, check_same_device, check_tensor, debug_checks
 from .mla_write import check_kernel_device, latent_rows, typed_rows
 
 # The op object is reached as ``torch.ops.unimem.mla_gather`` or ``unimem_compile.ops.mla_gather.mla_gather``:
@@ -60,7 +60,7 @@ def _check_rows(op, v2p, page_table, kv_len, out_offset, max_len, page_size) -> 
     if holes:
         detail = ", ".join(f"row {b} page {k}" for b, k in holes)
         raise GeometryError(f"{op}: page_table entries are -1 inside kv_len: {detail}")
-    check_live_locations(op, v2p, (pages[used] * page_size).to(v2p.device), page_size)
+    check_live_page_table(op, v2p, page_table, kv_len, page_size)
 
 
 def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size,

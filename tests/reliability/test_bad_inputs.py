@@ -354,8 +354,8 @@ def debug_cases():
         a["page_table"] = a["page_table"].clone()
         a["page_table"][0, 1] = w.dead_page
     yield Case("mla_gather", "dead_page_inside_kv_len", dead_column, GeometryError,
-               lambda w, a: rf"mla_gather: 1 locations are not on live pages: lane 1: location {w.dead_page * w.PS} "
-                            rf"\(virtual page {w.dead_page}\)", debug=True)
+               lambda w, a: rf"mla_gather: 1 pages inside kv_len are not live: row 0 page slot 1: virtual page "
+                            rf"{w.dead_page}", debug=True)
     yield Case("mla_decode", "dead_page_inside_kv_len", dead_column, GeometryError,
                lambda w, a: rf"mla_decode: 1 pages inside kv_len are not live: row 0 page slot 1: virtual page "
                             rf"{w.dead_page}", debug=True)
