@@ -318,6 +318,11 @@ def mla_decode_triton(
                          f"kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
                          f"{kv_dtype}, page_size {page_size}, kv_lora_rank {kv_lora_rank}, "
                          f"qk_rope_head_dim {qk_rope_head_dim}")
+    if fits_wgmma and arena.data_ptr() % 16:  # TMA needs a 16-byte aligned base (a view into a bigger buffer)
+        if kernel == "wgmma":
+            raise ValueError(f"{op}: the wgmma kernel needs a 16-byte aligned arena (TMA); its data starts at "
+                             f"address {arena.data_ptr():#x}")
+        fits_wgmma = False
     use_wgmma = fits_wgmma and kernel != "portable"
     if use_wgmma:
         block_n = WGMMA_BLOCK_N

@@ -141,3 +141,18 @@ def test_cuda_graph_replay_follows_a_growing_context(kernel, gen, monkeypatch):
         paged.kv_len.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         _assert_close(out, md.mla_decode_reference(*args), 1e-2)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_an_arena_view_off_16_byte_alignment_falls_back_to_the_portable_kernel(gen):
+    paged = Paged(64, [70, 3], gen)
+    q_nope = torch.randn(2, H, R, generator=gen).to(torch.bfloat16).cuda()
+    q_rope = torch.randn(2, H, DR, generator=gen).to(torch.bfloat16).cuda()
+    args = list(paged.args(q_nope, q_rope))
+    shifted = torch.empty(args[2].numel() + 8, dtype=torch.uint8, device="cuda")[8:]  # same bytes, base + 8
+    shifted.copy_(args[2])
+    args[2] = shifted
+    want = md.mla_decode_reference(*args)
+    _assert_close(md.mla_decode_triton(*args), want, 1e-2)  # auto: portable
+    with pytest.raises(ValueError, match="16-byte aligned arena"):
+        md.mla_decode_triton(*args, kernel="wgmma")
