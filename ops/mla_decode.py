@@ -282,8 +282,8 @@ def mla_decode_triton(
             lookups), the fastest measured on an H200 at page sizes 64 and 1;
         block_h: heads per program (power of two >= 16, default ``min(32, next_pow2(H))``);
         num_warps: Triton launch option;
-        partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (default
-            fp32: bf16 partials measured 2-3% faster on an H200 in the third session's sweeps but slower in
+        partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (fp32, bf16
+            or fp16; default fp32: bf16 partials measured 2-3% faster on an H200 in the third session's sweeps but slower in
             an earlier run, and add a rounding). The log-sum-exps are always fp32.
         kernel: stage-1 form, one of :data:`KERNELS` (default: the ``UNIMEM_MLA_DECODE_KERNEL``
             environment variable, else "auto"). "auto" takes the Hopper TMA + wgmma kernel where
@@ -298,9 +298,9 @@ def mla_decode_triton(
         allocated with ``torch.empty`` per call (caching allocator; CUDA-graph safe).
 
     Raises:
-        TypeError / GeometryError / ValueError: wrong dtypes, shapes, geometry or devices; under
-        ``UNIMEM_DEBUG=1`` also GeometryError for a ``kv_len`` outside the table or a page inside
-        ``kv_len`` that is not live (costs a device sync).
+        TypeError / GeometryError / ValueError: wrong dtypes, shapes, geometry or devices; a tuning knob
+        out of its range (ValueError with the value); under ``UNIMEM_DEBUG=1`` also GeometryError for a
+        ``kv_len`` outside the table or a page inside ``kv_len`` that is not live (costs a device sync).
     """
     op = "mla_decode"
     _check(op, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
@@ -309,6 +309,17 @@ def mla_decode_triton(
         check_live_page_table(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
+    for name, value, low in (("num_splits", num_splits, 1), ("block_h", block_h, 16), ("num_warps", num_warps, 1),
+                             ("num_stages", num_stages, 1)):
+        if value is None and name != "num_warps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+                name != "num_splits" and name != "num_stages" and value & (value - 1)):
+            kind = "an int >= 1" if name in ("num_splits", "num_stages") else f"a power of two >= {low}"
+            raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
+    if partial_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
+                         f"{partial_dtype}")
     kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
@@ -333,10 +344,8 @@ def mla_decode_triton(
     block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
     if use_wgmma and block_h not in (16, 32):
         raise ValueError(f"{op}: the wgmma kernel takes block_h 16 or 32, got {block_h}")
-    splits = num_splits or mla_decode_num_splits(B, P, H, page_size, q_nope.device, block_n=block_n,
+    splits = num_splits if num_splits is not None else mla_decode_num_splits(B, P, H, page_size, q_nope.device, block_n=block_n,
                                                  block_h=block_h, blocks_per_sm=1 if use_wgmma else BLOCKS_PER_SM)
-    if splits < 1:
-        raise ValueError(f"{op}: num_splits must be positive, got {splits}")
     out = torch.empty((B, H, R), dtype=q_nope.dtype, device=q_nope.device)
     if B == 0 or H == 0:
         return out

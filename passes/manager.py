@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -117,6 +117,10 @@ class PassManager(CustomGraphPass):
             names = set(known)
         elif enabled is False:
             names = set()
+        elif isinstance(enabled, Mapping):  # {name: flag} would otherwise count as the collection of its keys
+            raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
+                            f"names, not a mapping (got {dict(enabled)!r}); pass the names to run, e.g. "
+                            f"{sorted(k for k, v in enabled.items() if v)!r}")
         elif isinstance(enabled, Collection):  # a str is one too: a single name
             names = {enabled} if isinstance(enabled, str) else set(enabled)
             unknown = names - known

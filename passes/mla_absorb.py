@@ -213,6 +213,22 @@ def _attention(consumer: Node) -> _Attention:
         att = form(consumer)
         if att is not None:
             return att
+    # a prefill without padding slices the history to the prompt before a causal SDPA: say "prefill", the
+    # reason that matters, rather than the slice
+    node = consumer
+    for _ in range(3):
+        if len(node.users) != 1:
+            break
+        node = next(iter(node.users))
+        for form in ATTENTION_FORMS:
+            try:
+                att = form(node)
+            except Refused:
+                att = None
+            q_dims = dims(att.q) if att is not None else None
+            if q_dims is not None and len(q_dims) == 4 and q_dims[2] != 1:
+                raise Refused("prefill (symbolic query length)" if q_dims[2] is None
+                              else f"prefill (query length {q_dims[2]} > 1)")
     raise Refused(f"the expanded values feed {describe(consumer)}, not SDPA or an eager attention")
 
 

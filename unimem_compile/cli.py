@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 __all__ = ["main"]
@@ -15,8 +16,9 @@ def _pool_info(args: argparse.Namespace) -> int:
     from .errors import GeometryError
     from .pool import geometry, pool_info
 
-    if not args.budget_gib > 0:
-        print(f"unimem-compile pool-info: --budget-gib must be positive, got {args.budget_gib:g}", file=sys.stderr)
+    if not 0 < args.budget_gib < math.inf:
+        print(f"unimem-compile pool-info: --budget-gib must be a positive, finite number of GiB, got "
+              f"{args.budget_gib:g}", file=sys.stderr)
         return 2
     if args.page_size <= 0:
         print(f"unimem-compile pool-info: --page-size must be a positive number of tokens, got {args.page_size}",

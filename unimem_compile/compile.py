@@ -24,6 +24,7 @@ import functools
 import inspect
 import math
 import operator
+import warnings
 from collections.abc import Collection
 
 import torch
@@ -152,9 +153,20 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
     row_pages = math.ceil(max_seq_len / page_size) if kv is not None else 0
     one_row = ArenaLayout.for_capacity(kv, state, page_size, row_pages, 1 if state is not None else 0)
     if memory_budget is None:
-        return ArenaLayout.for_capacity(
+        layout = ArenaLayout.for_capacity(
             kv, state, page_size, row_pages * max_batch_size, max_batch_size if state is not None else 0
         )
+        try:
+            free = _free_device_bytes(device)
+        except (GeometryError, OSError, RuntimeError):  # unknown: let the allocation decide
+            return layout
+        if layout.memory_budget > free:  # fail here with the numbers, not as an out-of-memory kill later
+            raise GeometryError(
+                f"the arena for max_batch_size={max_batch_size} full rows of max_seq_len={max_seq_len} tokens "
+                f"needs {layout.memory_budget} bytes ({layout.memory_budget / 2**30:.2f} GiB) but {device} has "
+                f"{free} bytes ({free / 2**30:.2f} GiB) free; lower max_seq_len / max_batch_size or give "
+                f"memory_budget (bytes, or a fraction of free memory)")
+        return layout
     if not isinstance(memory_budget, (bool, int, float)) and hasattr(memory_budget, "__index__"):
         memory_budget = operator.index(memory_budget)  # numpy and other integer types: bytes
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
@@ -256,12 +268,34 @@ def _requires_grad(model) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
-def _max_total_length(model, kwargs, prompt_len: int, config) -> int | None:
+@functools.cache
+def _backend_names() -> tuple[str, ...]:
+    return tuple(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def _default_max_length() -> int:
+    """transformers' ``max_length`` when neither the call nor a config sets one (20 in 5.17-5.24)."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+
+        return int(GenerationMixin._get_default_generation_params()["max_length"])
+    except Exception:  # noqa: BLE001 - another transformers layout: its documented default
+        return 20
+
+
+def _max_total_length(model, kwargs, prompt_len: int, config) -> int:
+    """Tokens a row reaches in this generate() call (prompt with pads + new tokens), resolved as transformers'
+    ``_prepare_generated_length`` does: ``max_new_tokens`` wins; else a ``max_length`` set by the call or a
+    config; else the default ``max_length`` (20) as NEW tokens, capped by ``max_position_embeddings``."""
     new = _generation_setting(model, kwargs, "max_new_tokens", None, config)
     if new is not None:
         return prompt_len + int(new)
     length = _generation_setting(model, kwargs, "max_length", None, config)
-    return None if length is None else int(length)
+    if length is not None:
+        return int(length)
+    total = prompt_len + _default_max_length()
+    cap = getattr(model.config, "max_position_embeddings", None)
+    return min(total, int(cap)) if cap else total
 
 
 def _install_deferred_stop_hook() -> bool:
@@ -314,9 +348,9 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         max_seq_len: most tokens a row may reach: prompt (pads included) + new tokens.
         memory_budget: arena bytes (int); a fraction in (0, 1] of the device's free memory (float); or
             None: ``max_batch_size`` full rows of ``max_seq_len`` tokens with their states, the sink and
-            the tail pad.
+            the tail pad (GeometryError if that is more than the device has free).
         page_size: tokens per KV page.
-        kv_dtype: dtype of the cached latent rows (None: the model's dtype).
+        kv_dtype: dtype of the cached latent rows (None: the model's dtype); a name ("bfloat16") works too.
         passes: True runs every rewrite, False none, or a collection of rewrite names
             (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
@@ -340,8 +374,11 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             than one device, or a model compiled already.
         GeometryError: bad sizes, or a memory_budget too small for one request (the message gives the
             minimum).
-        ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms;
-            ``deferred_stop_check=True`` on a CPU model.
+        ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms (a
+            mapping included); ``backend`` is not a registered backend name; ``cudagraphs`` or
+            ``deferred_stop_check`` is not a bool (None too for the latter); ``deferred_stop_check=True`` on
+            a CPU model (``cudagraphs=True`` there only warns: Inductor ignores it);
+            ``kv_dtype`` is neither a torch dtype nor the name of one.
         OSError: ``UNIMEM_DUMP_GRAPHS`` names a folder that cannot be created or written.
     """
     from unimem_compile.passes import make_pass_manager
@@ -350,6 +387,21 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
     if hasattr(model, "unimem"):
         raise UnsupportedModel(f"{type(model).__name__} was compiled by unimem_compile already")
     check_dump_dir()  # a bad UNIMEM_DUMP_GRAPHS fails here, not inside the first generate()'s compile
+    # options are checked before anything is built: a model compiled once cannot be compiled again
+    if not isinstance(backend, str) or backend not in _backend_names():
+        raise ValueError(f"backend must be the name of a registered torch.compile backend, got {backend!r}; "
+                         f"registered: {', '.join(_backend_names())}")
+    for name, value, allowed in (("cudagraphs", cudagraphs, (False, True)),
+                                 ("deferred_stop_check", deferred_stop_check, (None, False, True))):
+        if not any(value is a for a in allowed):
+            raise TypeError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    if isinstance(kv_dtype, str):  # "bfloat16" / "torch.bfloat16", as transformers' dtype= accepts
+        name = kv_dtype.removeprefix("torch.")
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype")
+        kv_dtype = getattr(torch, name)
+    elif kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a torch.dtype, a dtype name or None, got {kv_dtype!r}")
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len), ("page_size", page_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise GeometryError(f"{name} must be a positive int, got {value!r}")
@@ -359,15 +411,18 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         raise UnsupportedModel(f"the model's parameters are spread over {sorted(map(str, devices))}; "
                                "unimem_compile needs the whole model on one device")
     device = devices.pop()
+    if cudagraphs and device.type != "cuda":
+        warnings.warn(f"cudagraphs=True has no effect on a model on {device} (Inductor's CUDA graphs are for CUDA "
+                      "models); compiling without them", UserWarning, stacklevel=2)
     if deferred_stop_check and device.type != "cuda":
         raise ValueError(f"deferred_stop_check=True needs a CUDA model (transformers' DeferredStopCheck waits on "
                          f"device events); the model is on {device}")
+    manager = make_pass_manager(passes)
     layout = _layout(adapter, memory_budget, page_size, max_batch_size, max_seq_len, device)
     pool = UnifiedPool(layout, device)
     torch._dynamo.mark_static_address(pool.arena)
     for table in (pool.v2p, pool.p2v, pool.s_v2p, pool.s_p2v):
         torch._dynamo.mark_static_address(table)
-    manager = make_pass_manager(passes)
     handle = UnimemHandle(model, adapter, pool, max_batch_size, max_seq_len, manager)
     handle.model_dtype = next(model.parameters()).dtype
     handle.deferred_stop_check = deferred_stop_check
@@ -454,7 +509,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             raise GeometryError(f"the UnifiedCache passed holds {given.num_rows} rows, this generate() call needs "
                                 f"{rows} (batch {batch} x num_return_sequences {sequences})")
         total = _max_total_length(model, kwargs, prompt, config)
-        if total is not None and total > max_seq_len:
+        if total > max_seq_len:
             raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
                                 f"than max_seq_len={max_seq_len}")
         dtype_now = next(model.parameters()).dtype

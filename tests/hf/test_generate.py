@@ -242,6 +242,49 @@ def test_prompt_plus_new_tokens_longer_than_max_seq_len_is_refused(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
+def test_transformers_default_of_20_new_tokens_is_checked_up_front_and_a_passed_cache_survives(small):
+    # no max_new_tokens / max_length anywhere: transformers generates 20 new tokens; 15 + 20 > 32 must be
+    # refused before any step (it used to fail mid-generation and release the caller's cache)
+    assert small.generation_config.max_length is None and small.generation_config.max_new_tokens is None
+    cache = small.unimem.new_cache(1)
+    ids, mask = prompts([6], seed=3)
+    out = small.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    held = small.unimem.stats()["kv_pages_used"]
+    turn2 = torch.cat([out, torch.randint(3, small.config.vocab_size, (1, 7), generator=torch.Generator()
+                                          .manual_seed(5))], 1)  # 15 tokens
+    with pytest.raises(GeometryError, match=r"prompt \(15 tokens, pads included\) \+ new tokens = 35 tokens is "
+                                            r"longer than max_seq_len=32"):
+        small.generate(turn2, attention_mask=torch.ones_like(turn2), past_key_values=cache, do_sample=False)
+    assert small.unimem.stats()["kv_pages_used"] == held  # nothing released, nothing written
+    got = small.generate(turn2, attention_mask=torch.ones_like(turn2), past_key_values=cache, max_new_tokens=2,
+                         do_sample=False)
+    assert got.shape[1] == 17
+    cache.release()
+    assert small.unimem.stats()["kv_pages_used"] == 0
+
+
+def test_compile_options_are_checked_before_anything_is_built():
+    model = build_model("kimi-linear-tiny")
+    kw = dict(max_batch_size=1, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"backend must be the name of a registered torch.compile backend, got "
+                                         r"'aot_eagre'; registered: .*aot_eager"):
+        unimem_compile.compile(model, backend="aot_eagre", **kw)
+    with pytest.raises(TypeError, match="cudagraphs must be one of False, True, got 'yes'"):
+        unimem_compile.compile(model, cudagraphs="yes", **kw)
+    with pytest.raises(TypeError, match="deferred_stop_check must be one of None, False, True, got 1"):
+        unimem_compile.compile(model, deferred_stop_check=1, **kw)
+    with pytest.raises(TypeError, match="not a mapping"):
+        unimem_compile.compile(model, passes={"mla_absorb": False, "mla_write_fusion": False}, **kw)
+    with pytest.raises(TypeError, match="kv_dtype 'bfloat17' does not name a torch dtype"):
+        unimem_compile.compile(model, kv_dtype="bfloat17", **kw)
+    with pytest.raises(GeometryError, match=r"the arena for max_batch_size=1 full rows of max_seq_len=10000000000 "
+                                            r"tokens needs \d+ bytes .* free; lower max_seq_len"):
+        unimem_compile.compile(model, max_batch_size=1, max_seq_len=10**10)
+    assert not hasattr(model, "unimem")  # every refusal left the model compilable
+    unimem_compile.compile(model, kv_dtype="float32", backend="aot_eager", **kw)  # a dtype name works
+    assert model.unimem.adapter.kv_spec.dtype == torch.float32
+
+
 def test_input_on_another_device_is_refused(small):
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
     with pytest.raises(UnsupportedModel, match="input_ids are on meta but the model and its pool are on cpu"):

@@ -224,3 +224,17 @@ def test_compiled_conv_then_decode_step_matches_eager(gen):
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(compiled_arena, pool.s_v2p, lanes, x, g, beta)
     assert torch.equal(got, want)
     assert torch.equal(compiled_arena, eager_arena)
+
+
+@pytest.mark.parametrize("knob, value", [("block_v", 3), ("block_v", 0), ("num_warps", 6)])
+def test_decode_launcher_refuses_bad_tuning_knobs_before_touching_the_arena(knob, value, gen):
+    pool, spec, ids, _ = _pool(gen)
+    lanes = torch.tensor(ids[:2])
+    q, k = torch.randn(2, H, K, generator=gen), torch.randn(2, H, K, generator=gen)
+    v, g = torch.randn(2, H, V, generator=gen), -torch.rand(2, H, K, generator=gen)
+    beta = torch.rand(2, H, generator=gen)
+    arena = pool.arena.clone()
+    with pytest.raises(ValueError, match=rf"kda_decode: {knob} must be a positive power of two, got {value}$"):
+        kda.kda_decode_triton(q, k, v, g, beta, arena, pool.s_v2p, lanes, spec.recurrent_offset(LAYER),
+                              spec.slot_bytes, SCALE, True, **{knob: value})
+    assert torch.equal(arena, pool.arena)

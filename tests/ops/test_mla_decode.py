@@ -264,3 +264,20 @@ def test_kernel_choice_portable_on_cpu_and_explicit_wgmma_refused_where_it_does_
     monkeypatch.setenv(md.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'portable', 'wgmma'\), got 'fastest'"):
         md.mla_decode_triton(*args)
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("num_splits", 0, "num_splits must be an int >= 1, got 0"),
+    ("num_splits", 2.0, "num_splits must be an int >= 1, got 2.0"),
+    ("block_h", 3, "block_h must be a power of two >= 16, got 3"),
+    ("block_h", 8, "block_h must be a power of two >= 16, got 8"),
+    ("num_warps", 3, "num_warps must be a power of two >= 1, got 3"),
+    ("num_stages", 0, "num_stages must be an int >= 1, got 0"),
+    ("partial_dtype", torch.int32, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
+    ("partial_dtype", torch.uint8, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.uint8"),
+])
+def test_tuning_knobs_out_of_range_raise_instead_of_computing_garbage(knob, value, message, gen):
+    paged = Paged(16, [20, 5], torch.float32, gen)
+    qn, qr = paged.queries(gen)
+    with pytest.raises(ValueError, match=f"mla_decode: {message}$"):
+        md.mla_decode_triton(*paged.args(qn, qr), **{knob: value})

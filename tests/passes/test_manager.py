@@ -116,7 +116,8 @@ def test_cudagraphs_are_asked_of_inductor_for_decode_graphs_only(monkeypatch):
 
     monkeypatch.setattr(inductor_entry, "compile_fx", recorder)
     model = build_model("kimi-linear-tiny", dtype=torch.float32, device="cpu", seed=0)
-    unimem_compile.compile(model, max_batch_size=2, max_seq_len=32, backend="inductor", cudagraphs=True)
+    with pytest.warns(UserWarning, match="cudagraphs=True has no effect on a model on cpu"):
+        unimem_compile.compile(model, max_batch_size=2, max_seq_len=32, backend="inductor", cudagraphs=True)
     ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert asked == [False, True]  # prefill, then the one decode graph

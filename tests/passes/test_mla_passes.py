@@ -466,6 +466,24 @@ def test_prefill_is_not_absorbed_and_says_so(kimi, caplog):
     assert f"prefill (query length {PROMPT} > 1)" in line and "model.layers.1.self_attn" in line
 
 
+def test_unpadded_prefill_is_refused_as_prefill_not_as_a_slice(caplog):
+    # without left pads transformers slices the expanded history to the prompt before a causal SDPA; the
+    # log must still give the reason that matters (prefill), not the slice it met first
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    torch._dynamo.reset()
+    model = build_model("kimi-linear-tiny", dtype=torch.float32, seed=0)
+    unimem_compile.compile(model, max_batch_size=1, max_seq_len=PROMPT + 1, page_size=8, backend="aot_eager",
+                           passes=["mla_absorb"])
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    with caplog.at_level(logging.INFO, logger=PASS_LOG):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
+    assert lines and f"model.layers.1.self_attn: prefill (query length {PROMPT} > 1)" in lines[0], lines
+    assert "getitem" not in lines[0]
+
+
 def test_rewriting_a_recorded_graph_again_reproduces_the_recorded_result(deepseek):
     graph = copy_graph(deepseek.decode.before)
     counts = make_pass_manager(True)(graph)

@@ -73,7 +73,9 @@ def test_pool_info_cli_prints_the_design_keys(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--page-size", "0"], "--page-size must be a positive number of tokens, got 0"),
-    (["--budget-gib", "-1"], "--budget-gib must be positive, got -1"),
+    (["--budget-gib", "-1"], "--budget-gib must be a positive, finite number of GiB, got -1"),
+    (["--budget-gib", "inf"], "--budget-gib must be a positive, finite number of GiB, got inf"),
+    (["--budget-gib", "nan"], "--budget-gib must be a positive, finite number of GiB, got nan"),
     (["--budget-gib", "0.0001"], "memory_budget=107374 bytes is below the minimum"),
 ])
 def test_pool_info_cli_refuses_bad_sizes_with_exit_status_2(argv, message, capsys):

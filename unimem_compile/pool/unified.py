@@ -428,7 +428,8 @@ class UnifiedPool:
         return (
             f"UnifiedPool({lay.memory_budget} bytes on {self.device}, page_size={lay.page_size}, "
             f"{self.allocator.pages_used}/{lay.num_pages} pages of {lay.page_bytes} B, "
-            f"{self.allocator.slots_used}/{lay.num_slots} slots of {lay.slot_bytes} B)"
+            f"{self.allocator.slots_used}/{lay.num_slots} slots of {lay.slot_bytes} B; each maximum assumes the "
+            f"other side empty)"
         )
 
 
