@@ -19,6 +19,7 @@ row's first token at its pad count (``out_offset``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import weakref
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .. import ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
-from ..errors import GeometryError, UnsupportedModel
+from ..errors import GeometryError, PoolExhausted, UnsupportedModel
 from ..pool import PageTables, UnifiedPool
 from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
@@ -376,16 +377,19 @@ class UnifiedCache(Cache):
                 if self.mask_hint:
                     raise GeometryError(f"{e} ({self.mask_hint})") from None
                 raise
-            if self.adapter.state_spec is not None:
-                self.slots[:] = self.pool.alloc_slots(batch)
-            if self.page_tables is not None:
-                try:
-                    self._write_locations(new, (total - pads).tolist())
-                except Exception:  # the step fails as a whole: give the slots back
-                    if self.slots:
-                        self.pool.free_slots(self.slots)
-                        self.slots.clear()
-                    raise
+            def first_allocation():
+                if self.adapter.state_spec is not None:
+                    self.slots[:] = self.pool.alloc_slots(batch)
+                if self.page_tables is not None:
+                    try:
+                        self._write_locations(new, (total - pads).tolist())
+                    except Exception:  # the step fails as a whole: give the slots back
+                        if self.slots:
+                            self.pool.free_slots(self.slots)
+                            self.slots.clear()
+                        raise
+
+            self._allocate(first_allocation)
             self._out_offset.copy_(pads.to(torch.int32))
             self._upload_rows()
         else:
@@ -401,10 +405,23 @@ class UnifiedCache(Cache):
                         f"{row}'s mask is {int(mask[row, col])} at position {col}, where the row has "
                         f"{int(self._out_offset[row])} left pads and {self.logical_len} cached tokens{hint}")
             if self.page_tables is not None:
-                self._write_locations(new, [n + new for n in self.page_tables.lengths])
+                lengths = [n + new for n in self.page_tables.lengths]
+                self._allocate(lambda: self._write_locations(new, lengths))
         self.seq_length.fill_(self.logical_len)
         self.logical_len = total
         self.prepared = True
+
+    def _allocate(self, step) -> None:
+        """Run ``step`` (an allocation that raises PoolExhausted having allocated nothing); when the pool is
+        full, collect garbage once: caches dropped without release() inside reference cycles hold their
+        pages and slots until the cycle collector runs. Retry if that reclaimed any."""
+        try:
+            step()
+        except PoolExhausted:
+            gc.collect()
+            if not self.handle.reclaim_orphans():
+                raise
+            step()
 
     @staticmethod
     def _left_pads(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor:
