@@ -24,13 +24,14 @@ import os
 
 import torch
 import triton
+import triton.compiler.errors
 import triton.language as tl
 
 from unimem_compile.errors import GeometryError
 
 from .common import (KERNEL_KV_DTYPES, check_live_page_table, check_mla_geometry, check_same_device, check_tensor,
                      debug_checks)
-from .mla_decode_hopper import WGMMA_BLOCK_N, mla_decode_stage1_wgmma, wgmma_supported
+from .mla_decode_hopper import WGMMA_BLOCK_N, disable_wgmma, mla_decode_stage1_wgmma, wgmma_supported
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -365,9 +366,21 @@ def mla_decode_triton(
     else:
         part_o = part_lse = out  # unused by the kernel when there is one split
     if use_wgmma:
-        mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse, out,
-                                sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num, splits,
-                                block_h)
+        try:
+            mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse,
+                                    out, sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num,
+                                    splits, block_h)
+        except triton.compiler.errors.CompilationError as e:
+            # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
+            # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
+            if kernel == "wgmma":
+                raise
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}")
+            return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num,
+                                     page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype, num_splits=num_splits,
+                                     block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
+                                     partial_dtype=partial_dtype, kernel="portable")
     else:
         _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, page_size,
                          layer, layer_num, H, splits, qk_rope_head_dim, kv_dtype, block_h, block_n, num_warps,

@@ -36,6 +36,7 @@ scores are masked to ``-inf`` and their value rows are zeroed in shared memory b
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -46,10 +47,14 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any import p
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load was renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, same arguments);
+    # the old name raises at compile time in 3.9
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the portable kernel serves
     gluon = None
 
-__all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES"]
+__all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES"]
 
 #: Tokens per tile (one TMA box of rows; wgmma M).
 WGMMA_BLOCK_N = 64
@@ -61,10 +66,26 @@ WGMMA_STAGES = 2
 WGMMA_EARLY_REFILL = True
 
 
+#: Why the wgmma kernel was turned off in this process (None: it is not): set by :func:`disable_wgmma`.
+WGMMA_DISABLED: str | None = None
+
+
+def disable_wgmma(reason: str) -> None:
+    """Stop using the wgmma kernel in this process (``mla_decode`` calls it when this Triton's Gluon fails to
+    compile the kernel); warns once with ``reason``."""
+    global WGMMA_DISABLED
+    if WGMMA_DISABLED is None:
+        warnings.warn(f"unimem mla_decode: the Hopper (Gluon) kernel does not compile with triton "
+                      f"{triton.__version__} ({reason}); using the portable Triton kernel from now on",
+                      RuntimeWarning, stacklevel=3)
+    WGMMA_DISABLED = reason
+
+
 def wgmma_supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, kv_lora_rank: int,
                     qk_rope_head_dim: int) -> bool:
-    """True when :func:`mla_decode_stage1_wgmma` can serve this geometry on ``device`` (see module doc)."""
-    if gluon is None or device.type != "cuda" or not _is_sm90(device.index):
+    """True when :func:`mla_decode_stage1_wgmma` can serve this geometry on ``device`` (see module doc) and
+    it has not been turned off in this process (:data:`WGMMA_DISABLED`)."""
+    if gluon is None or WGMMA_DISABLED is not None or device.type != "cuda" or not _is_sm90(device.index):
         return False
     return (kv_dtype in (torch.bfloat16, torch.float16) and page_size % WGMMA_BLOCK_N == 0
             and kv_lora_rank == 8 * _CHUNK and qk_rope_head_dim == _CHUNK)
@@ -95,7 +116,7 @@ if gluon is not None:
         bar = bars.index(stage)
         mbarrier.expect(bar, NCH * kv_desc.block_type.nbytes)
         for c in gl.static_range(NCH):
-            tma.async_copy_global_to_shared(kv_desc, [row0, c * CHUNK], bar, kv_smem.index(stage * NCH + c))
+            _tma_load(kv_desc, [row0, c * CHUNK], bar, kv_smem.index(stage * NCH + c))
 
     @gluon.jit
     def _mla_decode_wgmma_kernel(
@@ -213,24 +234,24 @@ if gluon is not None:
                 has_next = j + STAGES < num_tiles  # (a runtime `if` cannot hold the accumulator waits)
                 bar = bars.index(st)
                 mbarrier.expect(bar, NCH * kv_desc.block_type.nbytes, pred=has_next)
-                tma.async_copy_global_to_shared(kv_desc, [row_next, NC * CHUNK], bar, kv_smem.index(base + NC),
+                _tma_load(kv_desc, [row_next, NC * CHUNK], bar, kv_smem.index(base + NC),
                                                 pred=has_next)
                 acc0 = warpgroup_mma_wait(num_outstanding=7, deps=(acc0,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 0 * CHUNK], bar, kv_smem.index(base + 0), pred=has_next)
+                _tma_load(kv_desc, [row_next, 0 * CHUNK], bar, kv_smem.index(base + 0), pred=has_next)
                 acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc1,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 1 * CHUNK], bar, kv_smem.index(base + 1), pred=has_next)
+                _tma_load(kv_desc, [row_next, 1 * CHUNK], bar, kv_smem.index(base + 1), pred=has_next)
                 acc2 = warpgroup_mma_wait(num_outstanding=5, deps=(acc2,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 2 * CHUNK], bar, kv_smem.index(base + 2), pred=has_next)
+                _tma_load(kv_desc, [row_next, 2 * CHUNK], bar, kv_smem.index(base + 2), pred=has_next)
                 acc3 = warpgroup_mma_wait(num_outstanding=4, deps=(acc3,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 3 * CHUNK], bar, kv_smem.index(base + 3), pred=has_next)
+                _tma_load(kv_desc, [row_next, 3 * CHUNK], bar, kv_smem.index(base + 3), pred=has_next)
                 acc4 = warpgroup_mma_wait(num_outstanding=3, deps=(acc4,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 4 * CHUNK], bar, kv_smem.index(base + 4), pred=has_next)
+                _tma_load(kv_desc, [row_next, 4 * CHUNK], bar, kv_smem.index(base + 4), pred=has_next)
                 acc5 = warpgroup_mma_wait(num_outstanding=2, deps=(acc5,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 5 * CHUNK], bar, kv_smem.index(base + 5), pred=has_next)
+                _tma_load(kv_desc, [row_next, 5 * CHUNK], bar, kv_smem.index(base + 5), pred=has_next)
                 acc6 = warpgroup_mma_wait(num_outstanding=1, deps=(acc6,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 6 * CHUNK], bar, kv_smem.index(base + 6), pred=has_next)
+                _tma_load(kv_desc, [row_next, 6 * CHUNK], bar, kv_smem.index(base + 6), pred=has_next)
                 acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc7,))
-                tma.async_copy_global_to_shared(kv_desc, [row_next, 7 * CHUNK], bar, kv_smem.index(base + 7), pred=has_next)
+                _tma_load(kv_desc, [row_next, 7 * CHUNK], bar, kv_smem.index(base + 7), pred=has_next)
             else:
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
                     num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))

@@ -281,3 +281,33 @@ def test_tuning_knobs_out_of_range_raise_instead_of_computing_garbage(knob, valu
     qn, qr = paged.queries(gen)
     with pytest.raises(ValueError, match=f"mla_decode: {message}$"):
         md.mla_decode_triton(*paged.args(qn, qr), **{knob: value})
+
+
+def test_auto_falls_back_to_the_portable_kernel_when_gluon_cannot_compile_the_hopper_one(gen, monkeypatch):
+    # Gluon is experimental: a Triton whose Gluon rejects the Hopper kernel must cost speed, not the call
+    import triton.compiler.errors
+
+    from unimem_compile.ops import mla_decode_hopper as hop
+
+    paged = Paged(16, [20, 5], torch.float32, gen)
+    qn, qr = paged.queries(gen)
+    args = paged.args(qn, qr)
+    want = md.mla_decode_triton(*args, kernel="portable")
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise triton.compiler.errors.CompilationError(None, None, "async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(hop, "WGMMA_DISABLED", None)
+    monkeypatch.setattr(md, "wgmma_supported", lambda *a: hop.WGMMA_DISABLED is None)
+    monkeypatch.setattr(md, "mla_decode_stage1_wgmma", broken)
+    with pytest.raises(triton.compiler.errors.CompilationError):  # asked for by name: the error stands
+        md.mla_decode_triton(*args, kernel="wgmma")
+    with pytest.warns(RuntimeWarning, match="does not compile with triton .*async_copy_global_to_shared has been "
+                                            "removed.*portable Triton kernel from now on"):
+        got = md.mla_decode_triton(*args)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert hop.WGMMA_DISABLED is not None and len(calls) == 2
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # no retry, no new warning
+    assert len(calls) == 2
