@@ -332,8 +332,16 @@ def run(args) -> int:
     env = environment(device)
     log(f"environment: {json.dumps(env)}")
     todo = []
+    conditions = run_conditions(args)
     for cfg in configs:
         rec = _load(os.path.join(args.out, cfg.name + ".json")) or {}
+        if rec.get("systems"):
+            # resuming adds systems to a record: only under the conditions its systems were measured in
+            differ = {k: (rec.get(k), v) for k, v in conditions.items() if k in rec and rec[k] != v}
+            if differ:
+                log(f"{cfg.name}: recorded under other conditions ({', '.join(f'{k} {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
+                    f"use another --out or the same settings")
+                return 2
         missing = [s for s in systems if s not in rec.get("systems", {})]
         if missing:
             todo.append((cfg, missing))
@@ -346,9 +354,8 @@ def run(args) -> int:
     for cfg, missing in todo:
         path = os.path.join(args.out, cfg.name + ".json")
         rec = _load(path) or {}
-        rec.update({"config": dataclasses.asdict(cfg), "new_tokens": args.new_tokens, "dtype": args.dtype,
-                    "repeats": args.repeats, "environment": env, "copy_bandwidth_gbs": ceiling,
-                    "command": "python " + " ".join(sys.argv)})
+        rec.update({"config": dataclasses.asdict(cfg), **conditions, "repeats": args.repeats, "environment": env,
+                    "copy_bandwidth_gbs": ceiling, "command": "python " + " ".join(sys.argv)})
         rec.setdefault("systems", {})
         reference = None
         for system in missing:
@@ -378,7 +385,8 @@ def run(args) -> int:
             _save(path, rec)
             log(f"{cfg.name}: {LABELS[system]} done in {took:.1f} s"
                 + (f" ERROR {result['error'][:200]}" if "error" in result else
-                   f": prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tok/s"))
+                   f": prefill {_num(result.get('prefill_ms'), '.1f', 0)} ms, decode "
+                   f"{_num(result.get('decode_tokens_per_s'), '.1f', 0)} tok/s"))
         if stopped:
             break
     if stopped:
@@ -391,6 +399,16 @@ def run(args) -> int:
         log(f"wrote {args.bundle}")
     log(f"total {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def run_conditions(args) -> dict:
+    """What a record's measurements depend on beyond its configuration: a resumed run must match them."""
+    return {"new_tokens": args.new_tokens, "dtype": args.dtype, "seed": args.seed, "backend": args.backend,
+            "deferred_stop": args.deferred_stop}
+
+
+def _num(value, fmt: str, width: int) -> str:
+    return f"{value:>{width}{fmt}}" if isinstance(value, (int, float)) else f"{'n/a':>{width}}"
 
 
 def write_bundle(out_dir: str, configs: list[Config], path: str) -> None:
@@ -432,9 +450,10 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
             if system == "unimem":
                 tail = "".join(f"{r[k]:>7.2f}" if k in r else f"{'-':>7}"
                                for k in ("decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static"))
-            lines.append(f"{cfg.name:<30}{LABELS[system]:<20}{s['prefill_ms']:>11.1f}{s['decode_tokens_per_s']:>13.1f}"
-                         f"{s['ms_per_step']:>9.2f}{(peak / 2**30 if peak else float('nan')):>9.2f}"
-                         f"{s['achieved_bandwidth_gbs']:>8.1f}{tail}")
+            lines.append(f"{cfg.name:<30}{LABELS[system]:<20}{_num(s.get('prefill_ms'), '.1f', 11)}"
+                         f"{_num(s.get('decode_tokens_per_s'), '.1f', 13)}{_num(s.get('ms_per_step'), '.2f', 9)}"
+                         f"{_num(peak / 2**30 if peak else None, '.2f', 9)}"
+                         f"{_num(s.get('achieved_bandwidth_gbs'), '.1f', 8)}{tail}")
     return "\n".join(lines)
 
 
@@ -463,8 +482,19 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_generate: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    args.new_tokens = args.new_tokens or (4 if args.smoke else 64)
-    args.repeats = args.repeats or (1 if args.smoke else 2)
+    if args.new_tokens is not None and args.new_tokens < 2:
+        print(f"bench_generate: --new-tokens must be >= 2 (decode speed needs a decode step), got {args.new_tokens}",
+              file=sys.stderr)
+        return 2
+    if args.repeats is not None and args.repeats < 1:
+        print(f"bench_generate: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS))
+    if unknown:
+        print(f"bench_generate: unknown --systems {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
+        return 2
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else (4 if args.smoke else 64)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 2)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.backend = args.backend or ("eager" if args.smoke else "inductor")
     return run(args)

@@ -25,6 +25,9 @@ def _pool_info(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     kv, state = geometry(args.geometry)
+    if int(args.budget_gib * GIB) < 1:
+        print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
+        return 2
     try:
         info = pool_info(kv, state, int(args.budget_gib * GIB), args.page_size, geometry_name=args.geometry)
     except GeometryError as e:  # e.g. a budget below one page envelope + one state slot
@@ -37,18 +40,22 @@ def _pool_info(args: argparse.Namespace) -> int:
     print(f"geometry            {info['geometry']}")
     print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)")
     print(f"page size           {info['page_size']} tokens, {info['page_bytes']:,} bytes per page envelope")
-    print(f"slot pitch          {info['slot_bytes']:,} bytes per request state")
-    print(f"max KV tokens       {info['max_kv_tokens']:,} (states take no room)")
-    print(f"max state slots     {info['max_state_slots']:,} (KV takes no room)")
+    hybrid = info["slot_bytes"] > 0 and info["page_bytes"] > 0
+    if info["slot_bytes"]:
+        print(f"slot pitch          {info['slot_bytes']:,} bytes per request state")
+    if info["page_bytes"]:
+        print(f"max KV tokens       {info['max_kv_tokens']:,}" + (" (states take no room)" if hybrid else ""))
+    if info["slot_bytes"]:
+        print(f"max state slots     {info['max_state_slots']:,}" + (" (KV takes no room)" if hybrid else ""))
     print(f"overhead            {info['overhead_fraction']:.4%} of the budget (sink, tail pad, alignment)")
     for mix in info["mixes"]:
         print(f"  {mix['tokens_per_request']:>7,}-token requests: {mix['max_requests']:,} at once")
-    print(
-        f"one 4096-token request: needs {r['bytes_needed']:,} B, this pool allocates {r['bytes_allocated']:,} B "
-        f"(+{r['bytes_allocated'] / r['bytes_needed'] - 1:.2%}); a hybrid allocator padding attention blocks to "
-        f"the state size allocates {r['padded_group_bytes_allocated']:,} B "
-        f"(+{r['padded_group_bytes_allocated'] / r['bytes_needed'] - 1:.2%})"
-    )
+    line = (f"one 4096-token request: needs {r['bytes_needed']:,} B, this pool allocates {r['bytes_allocated']:,} B "
+            f"(+{r['bytes_allocated'] / r['bytes_needed'] - 1:.2%})")
+    if hybrid:  # padding attention blocks to the state size only exists when there are both
+        line += (f"; a hybrid allocator padding attention blocks to the state size allocates "
+                 f"{r['padded_group_bytes_allocated']:,} B (+{r['padded_group_bytes_allocated'] / r['bytes_needed'] - 1:.2%})")
+    print(line)
     return 0
 
 

@@ -32,6 +32,14 @@ class PoolExhausted(UnimemError):
         self.side = side
         self.reclaimable = dict(reclaimable)
 
+    def __reduce__(self):  # keyword-only fields: pickling (multiprocessing) must pass them back by name
+        return _rebuild_pool_exhausted, (str(self), self.requested, self.available, self.side, self.reclaimable)
+
+
+def _rebuild_pool_exhausted(message: str, requested: int, available: int, side: str,
+                            reclaimable: dict[str, int]) -> PoolExhausted:
+    return PoolExhausted(message, requested=requested, available=available, side=side, reclaimable=reclaimable)
+
 
 class InvalidFree(UnimemError):
     """A free of the sink, of an id that was never allocated, or of an id freed already."""

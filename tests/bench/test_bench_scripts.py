@@ -53,6 +53,38 @@ def test_generate_smoke_records_all_three_systems_then_resumes_without_rerunning
     assert json.loads((fresh / "kimi-linear-tiny_b2_p24.json").read_text()) == rec
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--new-tokens", "1"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 1"),
+    (["--new-tokens", "0"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--systems", "eager,foo"], "unknown --systems ['foo']; choose from ['eager', 'static', 'unimem']"),
+])
+def test_generate_refuses_arguments_it_would_silently_rewrite_or_ignore(tmp_path, capsys, argv, message):
+    bench = _script("bench_generate")
+    assert bench.main(["--device", "cpu", "--smoke", "--out", str(tmp_path / "gen"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "gen").exists()
+
+
+def test_generate_does_not_resume_a_record_measured_under_other_conditions(tmp_path, capsys):
+    bench = _script("bench_generate")
+    out = tmp_path / "gen"
+    out.mkdir()
+    name = "kimi-linear-tiny_b2_p24"
+    recorded = {"config": {"model": "kimi-linear-tiny", "batch": 2, "prompt": 24}, "new_tokens": 3, "dtype": "fp32",
+                "systems": {"eager": {"system": "eager", "prefill_ms": 1.0, "decode_tokens_per_s": 10.0,
+                                      "ms_per_step": 1.0, "achieved_bandwidth_gbs": 1.0}}}
+    (out / f"{name}.json").write_text(json.dumps(recorded))
+    argv = ["--device", "cpu", "--smoke", "--configs", name, "--out", str(out), "--systems", "unimem"]
+    assert bench.main(argv + ["--new-tokens", "12"]) == 2
+    assert "recorded under other conditions (new_tokens 3 there, 12 now)" in capsys.readouterr().out
+    assert json.loads((out / f"{name}.json").read_text()) == recorded  # untouched
+    # a record without a decode figure prints n/a instead of crashing the table
+    recorded["systems"]["eager"]["decode_tokens_per_s"] = None
+    (out / f"{name}.json").write_text(json.dumps(recorded))
+    assert "n/a" in bench.format_table(str(out), [c for c in bench.SMOKE_CONFIGS if c.name == name])
+
+
 def test_generate_deadline_stops_before_starting_a_system(tmp_path, capsys):
     bench = _script("bench_generate")
     out = tmp_path / "gen"
@@ -97,3 +129,12 @@ def test_capacity_sensitivity_reproduces_the_benchmark_trace_and_reports_each_si
         assert row["unified"] == phased["unified"][metric]
         assert rows["6"][metric]["ratio"] == rows["6"][metric]["unified"] / rows["6"][metric]["best_static"]
     assert "n_long    6" in capsys.readouterr().out
+
+
+def test_capacity_best_static_split_when_every_split_rejects_some_requests():
+    bench = _script("bench_capacity")
+    splits = {0.3: {"rejected": 2, "mean_concurrent": 9.0}, 0.5: {"rejected": 1, "mean_concurrent": 5.0},
+              0.7: {"rejected": 1, "mean_concurrent": 6.0}}
+    assert bench._best(splits, "mean_concurrent") == (0.7, splits[0.7])  # fewest rejected, then the metric
+    splits[0.3]["rejected"] = 0
+    assert bench._best(splits, "mean_concurrent")[0] == 0.3  # a split serving the whole trace wins

@@ -393,3 +393,15 @@ def test_staged_upload_on_the_cpu_is_a_plain_copy_and_checks_its_depth():
     assert torch.equal(dst, src) and dst.data_ptr() != src.data_ptr()
     with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
         StagedUpload(dst, depth=0)
+
+
+def test_pool_exhausted_survives_pickling_with_its_numbers():
+    # multiprocessing sends a worker's exception back pickled: keyword-only fields must come back by name
+    import pickle
+
+    e = PoolExhausted("kv side: asked for 3 pages", requested=3 * 4096, available=4096, side="kv",
+                      reclaimable={"kv": 0, "state": 8192})
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is PoolExhausted and str(back) == str(e)
+    assert (back.requested, back.available, back.side, back.reclaimable) == (12288, 4096, "kv",
+                                                                             {"kv": 0, "state": 8192})

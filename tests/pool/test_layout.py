@@ -213,3 +213,17 @@ def test_budget_for_without_pages_or_without_states():
     lay = ArenaLayout.for_capacity(None, st, 8, 0, 4)
     assert lay.fits(0, 4) and lay.num_pages == 0
     assert budget_for(None, st, 8, 0, 4, page_bytes=0, slot_bytes=st.slot_bytes) == lay.memory_budget
+
+
+def test_for_capacity_refuses_a_count_for_a_side_without_a_spec():
+    from unimem_compile.pool import geometry
+
+    kv, state = geometry("kimi-linear-48b")
+    with pytest.raises(GeometryError, match="n_slots=1 but the layout has no state spec"):
+        ArenaLayout.for_capacity(kv, None, 64, 0, 1)
+    with pytest.raises(GeometryError, match="n_pages=2 but the layout has no KV spec"):
+        ArenaLayout.for_capacity(None, state, 64, 2, 1)
+    with pytest.raises(GeometryError, match="n_slots=2 but the layout has no state spec"):
+        UnifiedPool.for_capacity(kv, None, 64, 4, 2, "meta")
+    assert ArenaLayout.for_capacity(kv, None, 64, 4, 0).num_pages >= 4  # the sides it has still size as asked
+    assert ArenaLayout.for_capacity(None, state, 64, 0, 3).num_slots >= 3

@@ -134,3 +134,39 @@ def test_hole_reuse_order_matches_a_reference_under_heavy_churn():
         most_holes = max(most_holes, len(alloc.kv.hole_set))
         most_stale = max(most_stale, len(alloc.kv.holes) - len(alloc.kv.hole_set))
     assert most_holes > 64 and most_stale > 0  # the churn did reach the lazy-heap regime
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMS))
+def test_a_request_the_empty_system_holds_only_without_the_reserve_is_served_not_stuck(name):
+    # the growth reserve is waived while nothing runs: a request that fills the empty system (but not the
+    # system minus its reserve) used to block the FCFS queue for ever
+    from unimem_compile.pool.simulate import Request
+
+    system = SYSTEMS[name]()
+    big = 1
+    while system.can_ever_hold(big * 2):
+        big *= 2
+    while system.can_ever_hold(big + 64):  # the largest request (in 64-token steps) the system holds
+        big += 64
+    prompt = big - 16
+    assert not system.can_admit(prompt, 0.3)  # the reserve would never let it in
+    trace = [Request(0, 0, prompt, 16, "long"), Request(1, 0, 100, 16, "chat")]
+    r = simulate(system, trace, KV, STATE, reserve_fraction=0.3, max_ticks=50)
+    assert r.finished == 2 and r.rejected == 0
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.0, 1.5])
+def test_a_reserve_outside_zero_one_is_refused(bad):
+    with pytest.raises(ValueError, match=f"reserve_fraction must be in \\[0, 1\\), got {bad}"):
+        simulate(SYSTEMS["unified"](), _small_phased(0), KV, STATE, reserve_fraction=bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -0.2])
+def test_a_static_split_outside_zero_one_is_refused_by_name(bad):
+    from unimem_compile.errors import GeometryError
+
+    with pytest.raises(GeometryError, match=f"kv_fraction must be in \\(0, 1\\), got {bad}"):
+        StaticSplitSystem(KV, STATE, BUDGET, bad)
+    with pytest.raises(GeometryError, match=f"static split 0.0001 of {BUDGET} bytes: KV pool {round(BUDGET * 1e-4)} "
+                                            f"bytes, state pool {BUDGET - round(BUDGET * 1e-4)} bytes: "):
+        StaticSplitSystem(KV, STATE, BUDGET, 0.0001)

@@ -76,9 +76,20 @@ def test_pool_info_cli_prints_the_design_keys(capsys):
     (["--budget-gib", "-1"], "--budget-gib must be a positive, finite number of GiB, got -1"),
     (["--budget-gib", "inf"], "--budget-gib must be a positive, finite number of GiB, got inf"),
     (["--budget-gib", "nan"], "--budget-gib must be a positive, finite number of GiB, got nan"),
+    (["--budget-gib", "1e-300"], "--budget-gib 1e-300 is less than one byte"),
     (["--budget-gib", "0.0001"], "memory_budget=107374 bytes is below the minimum"),
 ])
 def test_pool_info_cli_refuses_bad_sizes_with_exit_status_2(argv, message, capsys):
     assert main(["pool-info", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("unimem-compile pool-info: ") and message in err and "Traceback" not in err
+
+
+def test_pool_info_of_a_model_without_states_prints_no_state_lines(capsys):
+    assert main(["pool-info", "--geometry", "deepseek-v3", "--budget-gib", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "max KV tokens" in out and "states take no room" not in out
+    assert "slot" not in out and "state" not in out and "hybrid allocator" not in out
+    assert main(["pool-info", "--budget-gib", "2"]) == 0  # Kimi-Linear: both kinds, all lines
+    out = capsys.readouterr().out
+    assert "slot pitch" in out and "(states take no room)" in out and "hybrid allocator padding" in out

@@ -186,12 +186,20 @@ class ArenaLayout:
     def for_capacity(
         cls, kv: KVSpec | None, state: LinearStateSpec | None, page_size: int, n_pages: int, n_slots: int
     ) -> ArenaLayout:
-        """The smallest layout in which ``n_pages`` pages and ``n_slots`` slots fit together.
+        """The smallest layout in which ``n_pages`` pages and ``n_slots`` slots fit together. A side that
+        has a spec gets at least one page / slot (a layout holds at least one of each kind it serves), so
+        ``n_pages=0`` with a KV spec sizes for one page.
 
         Raises:
-            GeometryError: a negative count."""
+            GeometryError: a negative count, or a count > 0 for a side without a spec (pages without
+            ``kv``, slots without ``state``)."""
         if n_pages < 0 or n_slots < 0:
             raise GeometryError(f"n_pages ({n_pages}) and n_slots ({n_slots}) must be >= 0")
+        if kv is None and n_pages:
+            raise GeometryError(f"n_pages={n_pages} but the layout has no KV spec (pages hold attention KV)")
+        if state is None and n_slots:
+            raise GeometryError(f"n_slots={n_slots} but the layout has no state spec (slots hold linear-attention "
+                                f"states)")
         page_bytes = 0 if kv is None else kv.page_bytes(page_size)
         slot_bytes = 0 if state is None else state.slot_bytes
         budget = budget_for(kv, state, page_size, max(n_pages, 1 if kv else 0), max(n_slots, 1 if state else 0),

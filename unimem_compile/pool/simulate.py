@@ -17,8 +17,9 @@ Three memory systems share one budget and one scheduler:
 The scheduler (:func:`simulate`) is FCFS continuous batching in the style of vLLM v1: every tick each running
 request decodes ``tokens_per_tick`` tokens (its pages grow as it crosses page boundaries), finished requests
 free their memory, then waiting requests are admitted in arrival order while the memory system has room
-for the request's prompt, one state and a growth reserve; the first one that does not fit blocks the queue
-(no overtaking). When a running request cannot grow, the most recently admitted request is retracted (its
+for the request's prompt, one state and a growth reserve (waived while nothing runs: it protects running
+requests' growth, and a request the empty system holds must not wait for ever); the first one that does not
+fit blocks the queue (no overtaking). When a running request cannot grow, the most recently admitted request is retracted (its
 memory freed, and it goes back to the front of the queue to be recomputed with the tokens it had). A tick
 is a scheduler step, not a time: prefill and decode cost are not modelled; capacity is.
 
@@ -33,7 +34,7 @@ import math
 
 import numpy as np
 
-from ..errors import PoolExhausted
+from ..errors import GeometryError, PoolExhausted
 from .layout import ArenaLayout, KVSpec
 from .specs import LinearStateSpec, MLASpec, round_up
 from .unified import UnifiedPool
@@ -244,17 +245,24 @@ class StaticSplitSystem:
         page_size: tokens per page.
 
     Raises:
-        GeometryError: a pool too small for one page / one slot.
+        GeometryError: ``kv_fraction`` outside (0, 1), or a pool too small for one page / one slot (the
+            message names the pool and its share).
     """
 
     def __init__(self, kv: KVSpec, state: LinearStateSpec, budget: int, kv_fraction: float, page_size: int = 64):
         self.budget = int(budget)
         self.kv_fraction = float(kv_fraction)
+        if not 0 < self.kv_fraction < 1:
+            raise GeometryError(f"kv_fraction must be in (0, 1), got {kv_fraction}")
         kv_budget = int(round(self.budget * kv_fraction))
-        self.kv_layout = ArenaLayout(kv_budget, page_size, kv, None)
-        self.state_layout = ArenaLayout(self.budget - kv_budget, page_size, None, state)
+        try:
+            self.kv_layout = ArenaLayout(kv_budget, page_size, kv, None)
+            self.state_layout = ArenaLayout(self.budget - kv_budget, page_size, None, state)
+        except GeometryError as e:
+            raise GeometryError(f"static split {self.kv_fraction:g} of {self.budget} bytes: KV pool {kv_budget} "
+                                f"bytes, state pool {self.budget - kv_budget} bytes: {e}") from None
         self.kv_pool, self.state_pool = _pool(self.kv_layout), _pool(self.state_layout)
-        self.name = f"static {round(100 * kv_fraction)}/{round(100 * (1 - kv_fraction))}"
+        self.name = f"static {100 * self.kv_fraction:.3g}/{100 * (1 - self.kv_fraction):.3g}"
         self._pages: dict[int, list[int]] = {}
         self._slots: dict[int, list[int]] = {}
 
@@ -473,14 +481,23 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         trace: the requests (sorted by arrival).
         kv, state: specs for the useful-bytes figure (tokens x ``kv.token_bytes`` + ``state.raw_bytes``).
         tokens_per_tick: decode tokens each running request generates per tick.
-        reserve_fraction: admission keeps this fraction of the growing pool free for running requests.
+        reserve_fraction: admission keeps this fraction of the growing pool free for running requests
+            (in ``[0, 1)``; waived while no request runs).
         page_size: page granularity of the request size in the ``refused_with_room`` test.
         check_invariants: run every pool allocator's ``check_invariants`` after every tick (slow; tests).
         max_ticks: a guard against a scheduler that stops making progress (RuntimeError).
 
     Returns:
         the :class:`SimResult`.
+
+    Raises:
+        ValueError: ``reserve_fraction`` outside ``[0, 1)`` or ``tokens_per_tick`` < 1.
+        RuntimeError: no progress for ``max_ticks`` ticks.
     """
+    if not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction}")
+    if isinstance(tokens_per_tick, bool) or not isinstance(tokens_per_tick, int) or tokens_per_tick < 1:
+        raise ValueError(f"tokens_per_tick must be a positive int, got {tokens_per_tick!r}")
     arrivals = collections.deque(trace)
     waiting: collections.deque[_Live] = collections.deque()
     running: list[_Live] = []  # admission order: the last is the first to be retracted
@@ -538,10 +555,11 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         # admit in arrival order; the first that does not fit blocks the rest
         while waiting:
             live = waiting[0]
-            if not system.can_admit(live.tokens, reserve_fraction):
+            reserve = reserve_fraction if running else 0.0
+            if not system.can_admit(live.tokens, reserve):
                 counters["refusal_events"] += 1
                 refused_ids.add(live.req.rid)
-                need = _min_request_bytes(kv, state, live.tokens, page_size) + system.reserve_bytes(reserve_fraction)
+                need = _min_request_bytes(kv, state, live.tokens, page_size) + system.reserve_bytes(reserve)
                 if system.free_bytes() - page_slot_slack >= need:
                     counters["refused_with_room"] += 1
                 break
