@@ -313,6 +313,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.budget_gib is None:
         args.budget_gib = 4.0 if args.quick else 40.0
+    for name, ok in (("--reserve must be in [0, 1)", 0 <= args.reserve < 1),
+                     ("--budget-gib must be positive and finite", 0 < args.budget_gib < float("inf")),
+                     ("--tokens-per-tick must be >= 1", args.tokens_per_tick >= 1),
+                     ("--jobs must be >= 1", args.jobs >= 1)):
+        if not ok:
+            print(f"bench_capacity: {name}; got --reserve {args.reserve} --budget-gib {args.budget_gib} "
+                  f"--tokens-per-tick {args.tokens_per_tick} --jobs {args.jobs}", file=sys.stderr)
+            return 2
     start = time.perf_counter()
     report = run(args)
     paths = plot(report, args.plots)

@@ -138,3 +138,12 @@ def test_capacity_best_static_split_when_every_split_rejects_some_requests():
     assert bench._best(splits, "mean_concurrent") == (0.7, splits[0.7])  # fewest rejected, then the metric
     splits[0.3]["rejected"] = 0
     assert bench._best(splits, "mean_concurrent")[0] == 0.3  # a split serving the whole trace wins
+
+
+@pytest.mark.parametrize("argv, message", [(["--reserve", "-0.5"], "--reserve must be in [0, 1)"),
+                                           (["--reserve", "1"], "--reserve must be in [0, 1)"),
+                                           (["--budget-gib", "inf"], "--budget-gib must be positive and finite")])
+def test_capacity_refuses_bad_arguments_before_simulating(tmp_path, capsys, argv, message):
+    bench = _script("bench_capacity")
+    assert bench.main(["--quick", "--out", str(tmp_path / "c.json"), "--plots", str(tmp_path / "p"), *argv]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "c.json").exists()
