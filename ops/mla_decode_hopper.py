@@ -109,6 +109,15 @@ if gluon is not None:
         return (ppage * (PS * L) + layer_rows + t0 % PS).to(gl.int32)
 
     @gluon.jit
+    def _retire_then_refill(acc, outstanding: gl.constexpr, c: gl.constexpr, kv_desc, row, bar, kv_smem, base, pred,
+                            CHUNK: gl.constexpr):
+        # wait until value product c (and those before it) retired, then load chunk c of the next tile into the
+        # shared buffer that product read
+        acc = warpgroup_mma_wait(num_outstanding=outstanding, deps=(acc,))
+        _tma_load(kv_desc, [row, c * CHUNK], bar, kv_smem.index(base + c), pred=pred)
+        return acc
+
+    @gluon.jit
     def _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, t0, num_pages, layer_rows, stage,
                     PS: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, CHUNK: gl.constexpr):
         # page lookup of tokens [t0, t0 + 64) (one page run) and the 9 TMA boxes of that run into `stage`
@@ -234,24 +243,15 @@ if gluon is not None:
                 has_next = j + STAGES < num_tiles  # (a runtime `if` cannot hold the accumulator waits)
                 bar = bars.index(st)
                 mbarrier.expect(bar, NCH * kv_desc.block_type.nbytes, pred=has_next)
-                _tma_load(kv_desc, [row_next, NC * CHUNK], bar, kv_smem.index(base + NC),
-                                                pred=has_next)
-                acc0 = warpgroup_mma_wait(num_outstanding=7, deps=(acc0,))
-                _tma_load(kv_desc, [row_next, 0 * CHUNK], bar, kv_smem.index(base + 0), pred=has_next)
-                acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc1,))
-                _tma_load(kv_desc, [row_next, 1 * CHUNK], bar, kv_smem.index(base + 1), pred=has_next)
-                acc2 = warpgroup_mma_wait(num_outstanding=5, deps=(acc2,))
-                _tma_load(kv_desc, [row_next, 2 * CHUNK], bar, kv_smem.index(base + 2), pred=has_next)
-                acc3 = warpgroup_mma_wait(num_outstanding=4, deps=(acc3,))
-                _tma_load(kv_desc, [row_next, 3 * CHUNK], bar, kv_smem.index(base + 3), pred=has_next)
-                acc4 = warpgroup_mma_wait(num_outstanding=3, deps=(acc4,))
-                _tma_load(kv_desc, [row_next, 4 * CHUNK], bar, kv_smem.index(base + 4), pred=has_next)
-                acc5 = warpgroup_mma_wait(num_outstanding=2, deps=(acc5,))
-                _tma_load(kv_desc, [row_next, 5 * CHUNK], bar, kv_smem.index(base + 5), pred=has_next)
-                acc6 = warpgroup_mma_wait(num_outstanding=1, deps=(acc6,))
-                _tma_load(kv_desc, [row_next, 6 * CHUNK], bar, kv_smem.index(base + 6), pred=has_next)
-                acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc7,))
-                _tma_load(kv_desc, [row_next, 7 * CHUNK], bar, kv_smem.index(base + 7), pred=has_next)
+                _tma_load(kv_desc, [row_next, NC * CHUNK], bar, kv_smem.index(base + NC), pred=has_next)
+                acc0 = _retire_then_refill(acc0, 7, 0, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc1 = _retire_then_refill(acc1, 6, 1, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc2 = _retire_then_refill(acc2, 5, 2, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc3 = _retire_then_refill(acc3, 4, 3, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc4 = _retire_then_refill(acc4, 3, 4, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc5 = _retire_then_refill(acc5, 2, 5, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc6 = _retire_then_refill(acc6, 1, 6, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
+                acc7 = _retire_then_refill(acc7, 0, 7, kv_desc, row_next, bar, kv_smem, base, has_next, CHUNK)
             else:
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
                     num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))

@@ -614,7 +614,11 @@ def test_a_caller_cache_survives_a_call_refused_before_any_step(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
-def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(small):
+@pytest.mark.parametrize("drop", ["collected", "in_a_cycle"])
+def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(small, drop):
+    # "in_a_cycle": a cache in a reference cycle outlives its last name until the cycle collector runs (here:
+    # never, gc is off); an allocation that finds the pool full collects garbage once and retries (it used to
+    # raise PoolExhausted)
     import gc
 
     from unimem_compile.compile import _cache_kwarg
@@ -624,48 +628,25 @@ def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(
     ids = torch.randint(3, 1000, (1, 30), generator=torch.Generator().manual_seed(43))
     live, dropped = small.unimem.new_cache(1), small.unimem.new_cache(1)
     filler = []
+    was_enabled = gc.isenabled()
+    if drop == "in_a_cycle":
+        gc.disable()
     try:
         with torch.no_grad():
             first = small.generate(ids[:, :6], max_new_tokens=2, do_sample=False, **{key: live})  # 1 page
             small.generate(ids[:, :26], max_new_tokens=2, do_sample=False, **{key: dropped})  # 4 pages
             while pool.allocator.can_alloc("kv", 1):  # fill the rest of the arena
                 filler += pool.alloc_pages(1)
+            if drop == "in_a_cycle":
+                dropped.cycle = dropped
             del dropped
-            gc.collect()
+            if drop == "collected":
+                gc.collect()
+            else:
+                assert small.unimem.reclaim_orphans() == 0  # unreachable, not collected
             # the live row needs 2 more pages: only the dropped cache's pages can give them
             small.generate(torch.cat([first, ids[:, :12]], 1), max_new_tokens=2, do_sample=False, **{key: live})
         assert not live.released and small.unimem.reclaim_orphans() == 0
-    finally:
-        live.release()
-        pool.free_pages(filler)
-    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
-
-
-def test_a_full_pool_collects_a_cache_dropped_inside_a_reference_cycle(small):
-    # a cache in a reference cycle outlives its last name until the cycle collector runs; an allocation
-    # that finds the pool full collects garbage once and retries (it raised PoolExhausted)
-    import gc
-
-    from unimem_compile.compile import _cache_kwarg
-
-    key = _cache_kwarg(small)
-    pool = small.unimem.pool
-    ids = torch.randint(3, 1000, (1, 30), generator=torch.Generator().manual_seed(45))
-    live, dropped = small.unimem.new_cache(1), small.unimem.new_cache(1)
-    filler = []
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.no_grad():
-            first = small.generate(ids[:, :6], max_new_tokens=2, do_sample=False, **{key: live})
-            small.generate(ids[:, :26], max_new_tokens=2, do_sample=False, **{key: dropped})
-            while pool.allocator.can_alloc("kv", 1):
-                filler += pool.alloc_pages(1)
-            dropped.cycle = dropped
-            del dropped  # unreachable, not collected: gc is off
-            assert small.unimem.reclaim_orphans() == 0
-            small.generate(torch.cat([first, ids[:, :12]], 1), max_new_tokens=2, do_sample=False, **{key: live})
-        assert not live.released
     finally:
         if was_enabled:
             gc.enable()
