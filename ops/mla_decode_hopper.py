@@ -3,8 +3,9 @@
 Why a second kernel: the portable Triton kernel (:mod:`.mla_decode`) reaches 2.8-3.4 TB/s on an H200 and
 no Triton-level knob moves it further (benchmarks/RESULTS.md, issue 4). Its compiled form shows why:
 with 32 heads the score product ``[32 heads, D] x [D, 64 tokens]`` is too short in M for wgmma, so Triton
-uses mma.sync, loads every KV tile from shared memory into registers twice (``ldmatrix``, two warps along
-M each read all of it), and at ``num_stages=2`` gives each tile ONE shared buffer (the next tile's copy
+uses mma.sync, re-loads every KV tile from shared memory into registers for each of its two products
+(``local_load`` to the mma.sync operand layout), and at ``num_stages=2`` gives each tile ONE shared buffer
+(the next tile's copy
 starts only after the current tile's second product), so a program never overlaps its loads with its
 math; two programs per SM hide each other's waits, not their own.
 
@@ -307,9 +308,22 @@ def kv_descriptor(kv: torch.Tensor) -> "TensorDescriptor":
 def mla_decode_stage1_wgmma(q_nope, q_rope, kv2d, v2p, page_table, kv_len, part_o, part_lse, out, qk_scale: float,
                             max_tokens: int, layer_rows: int, page_size: int, layer_num: int, splits: int,
                             block_h: int, stages: int | None = None) -> None:
-    """Launch stage 1 on grid ``(cdiv(H, block_h), B, splits)`` (arguments as the portable kernel's; ``kv2d``
-    is the arena viewed as ``[rows, R + Dr]``; ``stages`` defaults to :data:`WGMMA_STAGES`, read per call).
-    Writes ``part_o``/``part_lse`` when ``splits > 1``, else ``out``."""
+    """Launch stage 1 on grid ``(cdiv(H, block_h), B, splits)``; the caller (``mla_decode_triton``) has checked
+    everything and chosen the split count.
+
+    Args:
+        q_nope, q_rope: ``[B, H, 512]`` / ``[B, H, 64]`` queries (bf16/fp16/fp32, last dim contiguous;
+            rounded to the KV dtype for the products).
+        kv2d: the arena viewed as ``[rows, 576]`` bf16/fp16 rows (16-byte aligned base, contiguous).
+        v2p: int64 ``[num_pages]``; page_table: int32 ``[B, P]``; kv_len: int32 ``[B]``.
+        part_o, part_lse: ``[B, splits, H, 512]`` (fp32/bf16/fp16) normalised partial outputs and fp32
+            ``[B, splits, H]`` base-2 log-sum-exps, written when ``splits > 1`` (unused splits write nothing).
+        out: ``[B, H, 512]`` in q's dtype, written when ``splits == 1``.
+        qk_scale: softmax scale times log2(e) (the kernel works in base 2).
+        max_tokens: ``P * page_size``; layer_rows: ``layer * page_size``; page_size, layer_num: the geometry.
+        splits: splits per row; block_h: heads per program (16 or 32: wgmma N); stages: ring depth (default
+            :data:`WGMMA_STAGES`, read per call).
+    """
     B, H, R = q_nope.shape
     stages = stages or WGMMA_STAGES
     _mla_decode_wgmma_kernel[(triton.cdiv(H, block_h), B, splits)](
