@@ -34,7 +34,9 @@ __all__ = [
     "check_same_device",
     "check_mla_geometry",
     "check_slot_geometry",
+    "check_knob",
     "check_live_locations",
+    "check_live_page_table",
     "check_live_slots",
 ]
 
@@ -177,6 +179,15 @@ def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_
             f"{op}: {s_v2p.numel()} slots of {slot_bytes} bytes need {s_v2p.numel() * slot_bytes} arena bytes, "
             f"the arena has {arena.numel()}"
         )
+
+
+def check_knob(op: str, name: str, value, *, low: int = 1, power_of_two: bool = False) -> None:
+    """A launcher's tuning knob (tiles, warps, stages, splits) is an int ``>= low``, and a power of two when
+    ``power_of_two``. Raises ValueError naming the knob and the value given (a bool or float is refused)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or (power_of_two and value & (value - 1))):
+        kind = f"a power of two >= {low}" if power_of_two else f"an int >= {low}"
+        raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
 
 
 def check_live_locations(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_size: int) -> None:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_same_device, check_slot_geometry, check_tensor
+from .common import check_knob, check_same_device, check_slot_geometry, check_tensor
 from .state import (
     check_slot_ids,
     gather_sections,
@@ -206,17 +206,16 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """Triton launcher of :func:`kda_decode`: grid ``(B, H, V / block_v)``.
 
     q, k, v, g and beta may be strided views (e.g. heads split out of one projection) as long as their last
-    dimension has stride 1 (otherwise they are copied). ``block_v`` and ``num_warps`` (positive powers of
-    two, else ValueError) are tuning knobs. Defaults 64 and 4: the fastest of block_v 16-128 x 1-8 warps at 32 heads, 128 x 128
+    dimension has stride 1 (otherwise they are copied). ``block_v`` and ``num_warps`` (powers of two >= 1,
+    else ValueError) are tuning knobs. Defaults 64 and 4: the fastest of block_v 16-128 x 1-8 warps at 32
+    heads, 128 x 128
     (``benchmarks/bench_kda.py --sweep`` on an H200: 0.86-0.88 of the copy bandwidth in a CUDA graph, against
     0.76 for flash-linear-attention's 32 / 4 and 0.78-0.81 for its own kernel; benchmarks/RESULTS.md).
     """
     _, h, dk, dv = _check_common("kda_decode", q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset,
                                  slot_bytes, lead=1)
-    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1 or block_v & (block_v - 1):
-        raise ValueError(f"kda_decode: block_v must be a positive power of two, got {block_v!r}")
-    if isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"kda_decode: num_warps must be a positive power of two, got {num_warps!r}")
+    check_knob("kda_decode", "block_v", block_v, power_of_two=True)
+    check_knob("kda_decode", "num_warps", num_warps, power_of_two=True)
     b = q.shape[0]
     out = torch.empty((b, h, dv), dtype=q.dtype, device=q.device)
     if b == 0:

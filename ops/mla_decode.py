@@ -29,8 +29,8 @@ import triton.language as tl
 
 from unimem_compile.errors import GeometryError
 
-from .common import (KERNEL_KV_DTYPES, check_live_page_table, check_mla_geometry, check_same_device, check_tensor,
-                     debug_checks)
+from .common import (KERNEL_KV_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
+                     check_tensor, debug_checks)
 from .mla_decode_hopper import WGMMA_BLOCK_N, disable_wgmma, mla_decode_stage1_wgmma, wgmma_supported
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
@@ -310,14 +310,12 @@ def mla_decode_triton(
         check_live_page_table(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
-    for name, value, low in (("num_splits", num_splits, 1), ("block_h", block_h, 16), ("num_warps", num_warps, 1),
-                             ("num_stages", num_stages, 1)):
-        if value is None and name != "num_warps":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-                name != "num_splits" and name != "num_stages" and value & (value - 1)):
-            kind = "an int >= 1" if name in ("num_splits", "num_stages") else f"a power of two >= {low}"
-            raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
+    check_knob(op, "num_warps", num_warps, power_of_two=True)
+    for name, value in (("num_splits", num_splits), ("num_stages", num_stages)):
+        if value is not None:
+            check_knob(op, name, value)
+    if block_h is not None:
+        check_knob(op, "block_h", block_h, low=16, power_of_two=True)
     if partial_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
@@ -340,13 +338,13 @@ def mla_decode_triton(
         block_n = WGMMA_BLOCK_N
     elif block_n is None:
         block_n = 64 if page_size % 64 == 0 else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"{op}: block_n must be a power of two >= 16, got {block_n}")
+    check_knob(op, "block_n", block_n, low=16, power_of_two=True)
     block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
     if use_wgmma and block_h not in (16, 32):
         raise ValueError(f"{op}: the wgmma kernel takes block_h 16 or 32, got {block_h}")
-    splits = num_splits if num_splits is not None else mla_decode_num_splits(B, P, H, page_size, q_nope.device, block_n=block_n,
-                                                 block_h=block_h, blocks_per_sm=1 if use_wgmma else BLOCKS_PER_SM)
+    splits = num_splits if num_splits is not None else mla_decode_num_splits(
+        B, P, H, page_size, q_nope.device, block_n=block_n, block_h=block_h,
+        blocks_per_sm=1 if use_wgmma else BLOCKS_PER_SM)
     out = torch.empty((B, H, R), dtype=q_nope.dtype, device=q_nope.device)
     if B == 0 or H == 0:
         return out

@@ -234,7 +234,7 @@ def test_decode_launcher_refuses_bad_tuning_knobs_before_touching_the_arena(knob
     v, g = torch.randn(2, H, V, generator=gen), -torch.rand(2, H, K, generator=gen)
     beta = torch.rand(2, H, generator=gen)
     arena = pool.arena.clone()
-    with pytest.raises(ValueError, match=rf"kda_decode: {knob} must be a positive power of two, got {value}$"):
+    with pytest.raises(ValueError, match=rf"kda_decode: {knob} must be a power of two >= 1, got {value}$"):
         kda.kda_decode_triton(q, k, v, g, beta, arena, pool.s_v2p, lanes, spec.recurrent_offset(LAYER),
                               spec.slot_bytes, SCALE, True, **{knob: value})
     assert torch.equal(arena, pool.arena)
