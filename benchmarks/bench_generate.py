@@ -339,8 +339,8 @@ def run(args) -> int:
             # resuming adds systems to a record: only under the conditions its systems were measured in
             differ = {k: (rec.get(k), v) for k, v in conditions.items() if k in rec and rec[k] != v}
             if differ:
-                log(f"{cfg.name}: recorded under other conditions ({', '.join(f'{k} {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
-                    f"use another --out or the same settings")
+                what = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
+                log(f"{cfg.name}: recorded under other conditions ({what}); use another --out or the same settings")
                 return 2
         missing = [s for s in systems if s not in rec.get("systems", {})]
         if missing:

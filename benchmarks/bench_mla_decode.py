@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     args = ap.parse_args()
     os.environ[md.KERNEL_ENV] = args.kernel
+    kernel = kernel_name(args.kernel)
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
     contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
@@ -186,9 +187,9 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "conditions": f"bf16, {H} heads, R {R} + Dr {DR}, {L}-layer page envelope, page size {setup.ps}, "
                       "full rows on randomly permuted pages, do_bench median (L2 flushed)",
-        "kernel": kernel_name(args.kernel),
+        "kernel": kernel,
         "defaults": ({"block_n": 64, "num_warps": 4, "stages": mla_decode_hopper.WGMMA_STAGES, "blocks_per_sm": 1}
-                     if kernel_name(args.kernel) == "wgmma" else
+                     if kernel == "wgmma" else
                      {"block_n": 64, "num_warps": 4, "num_stages": 2, "blocks_per_sm": md.BLOCKS_PER_SM}),
         "read_ceiling_tbs": ceiling,
         "points": [],

@@ -24,12 +24,13 @@ def _pool_info(args: argparse.Namespace) -> int:
         print(f"unimem-compile pool-info: --page-size must be a positive number of tokens, got {args.page_size}",
               file=sys.stderr)
         return 2
-    kv, state = geometry(args.geometry)
-    if int(args.budget_gib * GIB) < 1:
+    budget = int(args.budget_gib * GIB)
+    if budget < 1:
         print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
         return 2
+    kv, state = geometry(args.geometry)
     try:
-        info = pool_info(kv, state, int(args.budget_gib * GIB), args.page_size, geometry_name=args.geometry)
+        info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
     except GeometryError as e:  # e.g. a budget below one page envelope + one state slot
         print(f"unimem-compile pool-info: {e}", file=sys.stderr)
         return 2
@@ -53,8 +54,9 @@ def _pool_info(args: argparse.Namespace) -> int:
     line = (f"one 4096-token request: needs {r['bytes_needed']:,} B, this pool allocates {r['bytes_allocated']:,} B "
             f"(+{r['bytes_allocated'] / r['bytes_needed'] - 1:.2%})")
     if hybrid:  # padding attention blocks to the state size only exists when there are both
-        line += (f"; a hybrid allocator padding attention blocks to the state size allocates "
-                 f"{r['padded_group_bytes_allocated']:,} B (+{r['padded_group_bytes_allocated'] / r['bytes_needed'] - 1:.2%})")
+        padded = r["padded_group_bytes_allocated"]
+        line += (f"; a hybrid allocator padding attention blocks to the state size allocates {padded:,} B "
+                 f"(+{padded / r['bytes_needed'] - 1:.2%})")
     print(line)
     return 0
 

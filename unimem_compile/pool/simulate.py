@@ -19,9 +19,9 @@ request decodes ``tokens_per_tick`` tokens (its pages grow as it crosses page bo
 free their memory, then waiting requests are admitted in arrival order while the memory system has room
 for the request's prompt, one state and a growth reserve (waived while nothing runs: it protects running
 requests' growth, and a request the empty system holds must not wait for ever); the first one that does not
-fit blocks the queue (no overtaking). When a running request cannot grow, the most recently admitted request is retracted (its
-memory freed, and it goes back to the front of the queue to be recomputed with the tokens it had). A tick
-is a scheduler step, not a time: prefill and decode cost are not modelled; capacity is.
+fit blocks the queue (no overtaking). When a running request cannot grow, the most recently admitted request
+is retracted (its memory freed, and it goes back to the front of the queue to be recomputed with the tokens
+it had). A tick is a scheduler step, not a time: prefill and decode cost are not modelled; capacity is.
 
 Traces (:func:`stationary_trace`, :func:`phased_trace`) are seeded and documented in their docstrings.
 """
