@@ -216,14 +216,15 @@ def _x(ratio: float | None) -> str:
 
 def format_table(report: dict) -> str:
     head = (f"{'trace':<11}{'system':<32}{'peak':>6}{'mean':>8}{'loaded':>8}{'refused':>8}{'w/room':>7}"
-            f"{'retract':>8}{'util':>7}{'useful':>7}{'ticks':>7}")
+            f"{'retract':>8}{'util':>7}{'useful':>7}{'u@load':>7}{'ticks':>7}")
     lines = [head, "-" * len(head)]
     for t, entry in report["traces"].items():
         for name, s in _systems(entry):
             lines.append(f"{t:<11}{name:<32}{s['peak_concurrent']:>6}{s['mean_concurrent']:>8.1f}"
                          f"{s['mean_concurrent_loaded']:>8.1f}{s['refused']:>8}"
                          f"{s['refused_with_room'] + s['retracted_with_room']:>7}{s['retracted']:>8}"
-                         f"{s['mean_allocated_fraction']:>7.1%}{s['mean_useful_fraction']:>7.1%}{s['ticks']:>7}")
+                         f"{s['mean_allocated_fraction']:>7.1%}{s['mean_useful_fraction']:>7.1%}"
+                         f"{s['mean_useful_fraction_loaded']:>7.1%}{s['ticks']:>7}")
         r1, r2 = entry["ratio_mean_concurrent"], entry["ratio_mean_concurrent_loaded"]
         lines.append(f"{'':<11}unified / best static: {_x(r1['unified/best_static'])} (mean), "
                      f"{_x(r2['unified/best_static'])} (loaded; best split {r2['best_kv_fraction']:.2f}); "

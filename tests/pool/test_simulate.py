@@ -69,6 +69,11 @@ def test_a_trace_leaves_no_page_or_slot_behind_and_invariants_hold_every_tick(na
     allocated = np.asarray(r.timeline["kv_bytes"]) + np.asarray(r.timeline["state_bytes"])
     assert (useful <= allocated).all() and (allocated <= BUDGET).all()
     assert r.peak_concurrent == max(r.timeline["running"]) > 0
+    # the under-load means are over exactly the ticks that ended with requests waiting
+    loaded = np.asarray(r.timeline["waiting"]) > 0
+    assert r.loaded_ticks == int(loaded.sum()) > 0
+    assert r.mean_useful_fraction_loaded == pytest.approx(useful[loaded].sum() / loaded.sum() / BUDGET, rel=1e-12)
+    assert r.mean_concurrent_loaded == pytest.approx(np.asarray(r.timeline["running"])[loaded].mean(), rel=1e-12)
 
 
 def test_a_simulation_is_deterministic():

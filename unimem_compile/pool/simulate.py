@@ -424,7 +424,10 @@ class SimResult:
     ``rejected`` (requests larger than the whole memory system, dropped on arrival).
 
     ``mean_allocated_fraction`` / ``mean_useful_fraction``: the per-tick means of bytes allocated (pages +
-    slots, padding included) and of bytes the running requests need, over the budget. ``tokens_per_tick``:
+    slots, padding included) and of bytes the running requests need, over the budget;
+    ``mean_useful_fraction_loaded``: the latter over the loaded ticks only (how close the system runs to
+    the budget while requests wait: 1.0 is the most any memory system could hold under this scheduler,
+    with no padding, fragmentation or reserve). ``tokens_per_tick``:
     decode tokens generated per tick over the run. ``mean_wait_ticks``: arrival to first admission.
 
     ``timeline`` holds one entry per tick: ``running``, ``waiting``, ``kv_bytes``, ``state_bytes``, ``useful_bytes``
@@ -447,6 +450,7 @@ class SimResult:
     finished: int
     mean_allocated_fraction: float
     mean_useful_fraction: float
+    mean_useful_fraction_loaded: float
     tokens_per_tick: float
     mean_wait_ticks: float
     extra: dict
@@ -588,6 +592,7 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
     run = np.asarray(timeline["running"], dtype=np.float64)
     loaded = np.asarray(timeline["waiting"]) > 0
     allocated = (np.asarray(timeline["kv_bytes"], dtype=np.float64) + np.asarray(timeline["state_bytes"]))
+    useful = np.asarray(timeline["useful_bytes"], dtype=np.float64)
     return SimResult(
         system=system.name,
         ticks=t,
@@ -603,7 +608,8 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         rejected=counters["rejected"],
         finished=counters["finished"],
         mean_allocated_fraction=float(allocated.mean() / budget) if t else 0.0,
-        mean_useful_fraction=float(np.mean(timeline["useful_bytes"]) / budget) if t else 0.0,
+        mean_useful_fraction=float(useful.mean() / budget) if t else 0.0,
+        mean_useful_fraction_loaded=float(useful[loaded].mean() / budget) if loaded.any() else 0.0,
         tokens_per_tick=generated_total / t if t else 0.0,
         mean_wait_ticks=float(np.mean(waits)) if waits else 0.0,
         extra=system.stats(),
