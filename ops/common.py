@@ -117,8 +117,9 @@ def check_mla_geometry(
     Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
     not a multiple of 16 bytes, ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
     the arena (the message gives the bytes needed) or the arena holds a different number of pages of this
-    geometry than ``len(v2p)`` (a page size, layer count or dtype that disagrees with the pool), or the arena or v2p is not contiguous (kernels index
-    both from their base pointer); TypeError for a kv_dtype kernels cannot compute in.
+    geometry than ``len(v2p)`` (a page size, layer count or dtype that disagrees with the pool), the arena
+    starts at a byte of its storage that is not a multiple of the kv_dtype's size, or the arena or v2p is not
+    contiguous (kernels index both from their base pointer); TypeError for a kv_dtype kernels cannot compute in.
     """
     check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
     check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1, contiguous=True)
@@ -131,6 +132,9 @@ def check_mla_geometry(
     if not 0 <= layer < layer_num:
         raise GeometryError(f"{op}: layer {layer} is outside [0, {layer_num})")
     isz = torch.empty((), dtype=kv_dtype).element_size()
+    if arena.storage_offset() % isz:  # the ops view the arena as kv_dtype elements
+        raise GeometryError(f"{op}: the arena starts at byte {arena.storage_offset()} of its storage, not a "
+                            f"multiple of {isz} bytes ({kv_dtype}): it cannot be read as {kv_dtype} rows")
     row = (kv_lora_rank + qk_rope_head_dim) * isz
     if row % 16:
         raise GeometryError(f"{op}: a row of {kv_lora_rank + qk_rope_head_dim} x {isz} bytes is not a multiple of 16")
@@ -150,6 +154,11 @@ def check_mla_geometry(
             f"{page_size}, layer_num {layer_num}, kv_lora_rank {kv_lora_rank}, qk_rope_head_dim {qk_rope_head_dim}, "
             f"{kv_dtype}) plus the tail pad, but v2p has {v2p.numel()} entries: the geometry disagrees with the pool"
         )
+
+
+def shares_storage(x: torch.Tensor, arena: torch.Tensor) -> bool:
+    """Whether ``x`` is a view into the same storage as ``arena`` (it may then overlap bytes an op writes)."""
+    return x.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
 
 
 def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_offset: int, nbytes: int,

@@ -67,6 +67,8 @@ def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, la
                          kv_lora_rank, qk_rope_head_dim, kv_dtype) -> torch.Tensor:
     """Plain-torch :func:`mla_gather` (arguments and result as there; no checks)."""
     b, p = page_table.shape
+    if p == 0:  # no page columns: every position is empty (the gather below cannot index an empty dim)
+        return torch.zeros(b, max_len, kv_lora_rank + qk_rope_head_dim, dtype=kv_dtype, device=arena.device)
     i = torch.arange(max_len, device=arena.device)[None, :] - out_offset.long()[:, None]
     have = (i >= 0) & (i < kv_len.long()[:, None])
     i = torch.where(have, i, 0)

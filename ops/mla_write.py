@@ -33,6 +33,7 @@ from .common import (
     check_tensor,
     debug_checks,
     interpreting,
+    shares_storage,
 )
 
 __all__ = [
@@ -188,6 +189,11 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, 
     bt = _block_t(t) if block_t is None else block_t
     if bt <= 0 or bt & (bt - 1):
         raise ValueError(f"{op}: block_t must be a power of two, got {bt}")
+    # An input read from the arena itself (rows copied between pages): each program reads its source rows
+    # while other programs store, so a source overlapping a written row would race. Such inputs are copied
+    # first, which gives the reference's semantics (every input read before anything is stored).
+    kv_nope, k_rope, norm_weight = (
+        x.clone() if x is not None and shares_storage(x, arena) else x for x in (kv_nope, k_rope, norm_weight))
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
     r_p2 = triton.next_power_of_2(kv_lora_rank)
     # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps
@@ -223,7 +229,10 @@ def mla_kv_write_triton(
         block_t: tokens per program (a power of two); default chosen from T.
 
     Lanes write nothing when the location is < 0, past the table, tombstoned or on a physical page <= 0.
-    Two live lanes with the same location: one of them wins, unspecified which.
+    Two live lanes with the same location: one of them wins, unspecified which. ``kv_nope`` / ``k_rope``
+    may be views of ``arena`` itself (rows copied between locations): such inputs are copied before the
+    launch, so the result is as if every input were read before anything is stored (the reference's
+    semantics), whatever the rows overlap.
 
     Raises:
         TypeError: a wrong dtype. GeometryError: wrong ranks/sizes/strides or a geometry that does not fit

@@ -195,3 +195,13 @@ def test_bad_inputs_raise_errors_that_name_the_numbers(gen):
         mg.mla_gather_triton(*args, block_n=6)
     empty = mg.mla_gather_triton(*args[:5], 0, *args[6:])
     assert empty.shape == (2, 0, D)
+
+
+def test_a_page_table_without_columns_gathers_zeros(gen):
+    pool, _ = _filled_pool(16, torch.float32, [5], 1, gen)
+    empty = torch.zeros(2, 0, dtype=torch.int32)
+    n = torch.tensor([3, 0], dtype=torch.int32)
+    args = (pool.arena, pool.v2p, empty, n, torch.zeros(2, dtype=torch.int32), 7, 0, L, 16, R, DR, torch.float32)
+    for out in (mg.mla_gather_triton(*args), torch.ops.unimem.mla_gather(*args)):
+        assert out.shape == (2, 7, D) and out.dtype == torch.float32 and not out.any()
+    torch.library.opcheck(torch.ops.unimem.mla_gather.default, args)

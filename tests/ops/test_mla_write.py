@@ -279,3 +279,41 @@ def test_empty_write_is_a_no_op(gen):
     mw.mla_kv_write_triton(pool.arena, pool.v2p, empty, torch.empty(0, R), torch.empty(0, DR), 0, L, 16, R, DR,
                            torch.float32)
     assert torch.equal(pool.arena, before)
+
+
+def test_inputs_read_from_the_arena_itself_are_read_before_any_store(gen):
+    """Rows copied between locations of the same page (source and destination overlap): the kernel gives
+    the reference's result, every input read before anything is stored (it copies such inputs first)."""
+    results, values = [], torch.randn(16, D, generator=gen)
+    for fn in (torch.ops.unimem.mla_kv_write, mw.mla_kv_write_triton):
+        pool, live, _ = _pool(16, torch.float32)
+        loc = torch.arange(live[0] * 16, live[0] * 16 + 16)
+        pool.write_kv(1, loc, values)
+        before = pool.read_kv(1, loc)
+        rows = pool.kv_views()[1][:, 0]  # [dense rows, D] of layer 1, a view of the arena
+        first = int(pool.dense_rows(loc[:1])[0])
+        src = rows[first: first + 15]  # tokens 0..14 of the page, written to tokens 1..15
+        assert src.untyped_storage().data_ptr() == pool.arena.untyped_storage().data_ptr()
+        fn(pool.arena, pool.v2p, loc[1:], src[:, :R], src[:, R:], 1, L, 16, R, DR, torch.float32)
+        after = pool.read_kv(1, loc)
+        assert torch.equal(after[1:], before[:15]) and torch.equal(after[0], before[0])
+        results.append(pool.arena.clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_an_arena_view_that_cannot_be_read_as_kv_dtype_rows_is_refused(gen):
+    pool, live, _ = _pool(16, torch.float32)
+    nope, rope = _inputs(2, torch.float32, gen)
+    loc = torch.tensor([live[0] * 16, live[0] * 16 + 1])
+    shifted = torch.zeros(pool.arena.numel() + 16, dtype=torch.uint8)
+    for fn in (torch.ops.unimem.mla_kv_write, mw.mla_kv_write_triton):
+        view = shifted[2: 2 + pool.arena.numel()]
+        before = shifted.clone()
+        with pytest.raises(GeometryError, match="starts at byte 2 of its storage, not a multiple of 4 bytes"):
+            fn(view, pool.v2p, loc, nope, rope, 0, L, 16, R, DR, torch.float32)
+        assert torch.equal(shifted, before)
+    # a 4-byte offset can be read as fp32 rows: the write lands at the same bytes, shifted by 4
+    view = shifted[4: 4 + pool.arena.numel()]
+    mw.mla_kv_write_triton(view, pool.v2p, loc, nope, rope, 0, L, 16, R, DR, torch.float32)
+    torch.ops.unimem.mla_kv_write(pool.arena, pool.v2p, loc, nope, rope, 0, L, 16, R, DR, torch.float32)
+    assert torch.equal(shifted[4: 4 + pool.arena.numel()], pool.arena)

@@ -89,6 +89,9 @@ def test_kv_rows_need_integer_locations_and_lists_equal_tensors(gen):
         with pytest.raises(TypeError, match="virtual token location must be an integer"):
             pool.read_kv(0, bad)
     assert_unchanged(before, pool)
+    with pytest.raises(TypeError, match="rows must be torch.float32, got torch.float16"):
+        pool.write_kv(0, [p * 4 + 1], rows.half())  # a wrong dtype is a TypeError, as for every op
+    assert_unchanged(before, pool)
     pool.write_kv(0, [p * 4 + 1], rows)
     assert torch.equal(pool.read_kv(0, torch.tensor([p * 4 + 1])), rows)
     assert torch.equal(pool.read_kv(0, [p * 4 + 1]), rows)

@@ -348,7 +348,7 @@ class UnifiedPool:
         ``layer``. Lanes whose location is < 0 or on a tombstoned page write nothing.
 
         Raises:
-            GeometryError: bad layer, shapes or dtype.
+            GeometryError: bad layer or shapes. TypeError: ``rows`` not a tensor or not of the KV dtype.
         """
         lay = self.layout
         if lay.kv is None or not 0 <= layer < lay.layer_num:
@@ -360,7 +360,7 @@ class UnifiedPool:
             raise GeometryError(f"rows must be [{virt_loc.numel()}, {lay.kv_cache_dim}], got {tuple(rows.shape)}")
         store = lay.kv.store_dtype
         if rows.dtype != lay.kv.dtype and not (store == torch.uint8 and rows.dtype == torch.uint8):
-            raise GeometryError(f"rows must be {lay.kv.dtype}, got {rows.dtype}")
+            raise TypeError(f"rows must be {lay.kv.dtype}, got {rows.dtype}")
         loc = virt_loc.reshape(-1).to(self.device, torch.int64)
         dense = self.dense_rows(loc)
         # the sink is never written: not by -1 lanes, tombstones, nor a location on virtual page 0 (whose
