@@ -76,11 +76,9 @@ def _demo(args: argparse.Namespace) -> int:
     except DemoArgumentError as e:  # refused before anything runs
         print(f"unimem-compile demo: {e}", file=sys.stderr)
         return 2
-    texts = result.pop("_texts")
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2))
     else:
-        result["_texts"] = texts
         print(format_report(result))
     return 0 if result["parity"] else 1
 

@@ -24,6 +24,7 @@ import functools
 import inspect
 import math
 import operator
+import threading
 import warnings
 from collections.abc import Collection
 
@@ -66,6 +67,9 @@ class UnimemHandle:
         self._buffers: dict[int, StepBuffers] = {}
         self._orphans: list = []  # (page tables, slots, step buffers) of caches collected unreleased
         self._model_name = type(model).__name__
+        #: held by every generate() call: calls from several threads run one after the other (they share
+        #: the step buffers of a batch size and the adapter's patched module globals)
+        self.generate_lock = threading.RLock()
 
     @property
     def deferred_stop_check(self) -> bool | None:
@@ -102,7 +106,11 @@ class UnimemHandle:
     def step_buffers(self, batch_size: int) -> StepBuffers:
         """The step metadata tensors of ``batch_size`` rows (created once, then reused by every cache)."""
         if batch_size not in self._buffers:
-            self._buffers[batch_size] = StepBuffers.allocate(batch_size, self.max_pages_per_row, self.pool.device)
+            # created on first use, possibly inside torch.inference_mode(): the buffers outlive the call and
+            # are written in place by later calls outside it, so they must not be inference tensors
+            with torch.inference_mode(False):
+                self._buffers[batch_size] = StepBuffers.allocate(batch_size, self.max_pages_per_row,
+                                                                 self.pool.device)
         return self._buffers[batch_size]
 
     def reclaim_orphans(self) -> int:
@@ -180,6 +188,13 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
         budget = memory_budget
         if budget <= 0:
             raise GeometryError(f"memory_budget must be a positive number of bytes, got {budget}")
+        try:
+            free = _free_device_bytes(device)
+        except (GeometryError, OSError, RuntimeError):  # unknown: let the allocation decide
+            free = None
+        if free is not None and budget > free:
+            raise GeometryError(f"memory_budget of {budget} bytes ({budget / 2**30:.2f} GiB) is more than {device} "
+                                f"has free: {free} bytes ({free / 2**30:.2f} GiB)")
     if budget < one_row.memory_budget:
         raise GeometryError(
             f"memory_budget of {budget} bytes cannot hold one request of max_seq_len={max_seq_len} tokens "
@@ -419,7 +434,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
                          f"device events); the model is on {device}")
     manager = make_pass_manager(passes)
     layout = _layout(adapter, memory_budget, page_size, max_batch_size, max_seq_len, device)
-    pool = UnifiedPool(layout, device)
+    with torch.inference_mode(False):  # compile() under inference_mode: the pool is written outside it too
+        pool = UnifiedPool(layout, device)
     torch._dynamo.mark_static_address(pool.arena)
     for table in (pool.v2p, pool.p2v, pool.s_v2p, pool.s_p2v):
         torch._dynamo.mark_static_address(table)
@@ -477,7 +493,15 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
 
     @functools.wraps(original_generate)
     def generate(*args, **kwargs):
-        given = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        with handle.generate_lock:
+            return _generate(*args, **kwargs)
+
+    def _generate(*args, **kwargs):
+        # `is None`, not `or`: an empty transformers Cache is falsy (its length is 0)
+        given, other = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+        if given is not None and other is not None and given is not other:
+            raise ValueError("generate() was given two different caches (cache= and past_key_values=); pass one")
+        given = other if given is None else given
         if given is not None and not isinstance(given, UnifiedCache):
             raise UnsupportedModel(f"a model compiled by unimem_compile generates with a UnifiedCache, "
                                    f"got {type(given).__name__}")
@@ -497,6 +521,21 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         if beams > 1:
             raise UnsupportedModel(f"beam search (num_beams={beams}) is not supported by a model compiled by "
                                    "unimem_compile; use greedy decoding or sampling")
+        assisted = {"assistant_model": kwargs.get("assistant_model"),
+                    "prompt_lookup_num_tokens": setting("prompt_lookup_num_tokens", None),
+                    "assistant_early_exit": setting("assistant_early_exit", None),
+                    "use_mtp": setting("use_mtp", None) or None}
+        asked = [f"{name}={value!r}" if name != "assistant_model" else name
+                 for name, value in assisted.items() if value is not None]
+        if asked:
+            raise UnsupportedModel(f"assisted / speculative decoding ({', '.join(asked)}) is not supported by a model "
+                                   "compiled by unimem_compile: it crops rejected draft tokens off the cache, which "
+                                   "a UnifiedCache cannot undo; use greedy decoding or sampling")
+        chunk = setting("prefill_chunk_size", None)
+        if chunk is not None:
+            raise UnsupportedModel(f"prefill_chunk_size={chunk} is not supported by a model compiled by "
+                                   "unimem_compile: each step must bring the whole sequence so far (the cache lays "
+                                   "the step out from it); leave prefill_chunk_size unset")
         if setting("use_cache", True) is False:
             raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
                                    "decodes from its UnifiedCache")

@@ -385,6 +385,49 @@ def test_beam_search_and_use_cache_false_are_refused_by_name(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
+def test_assisted_decoding_and_chunked_prefill_are_refused_by_name(small):
+    from transformers import DynamicCache
+
+    ids, mask = prompts([5, 4], seed=3)
+    for kw, message in (
+        ({"prompt_lookup_num_tokens": 3}, r"assisted / speculative decoding \(prompt_lookup_num_tokens=3\)"),
+        ({"assistant_model": build_model("kimi-linear-tiny")}, r"speculative decoding \(assistant_model\) is not"),
+        ({"prefill_chunk_size": 4}, r"prefill_chunk_size=4 is not supported"),
+    ):
+        with pytest.raises(UnsupportedModel, match=message):
+            small.generate(ids, attention_mask=mask, max_new_tokens=2, **kw)
+    # an empty transformers cache is falsy (length 0): it used to be dropped silently when passed as cache=
+    for key in ("cache", "past_key_values"):
+        with pytest.raises(UnsupportedModel, match="generates with a UnifiedCache, got DynamicCache"):
+            small.generate(ids, attention_mask=mask, max_new_tokens=2, **{key: DynamicCache()})
+    a, b = small.unimem.new_cache(2), small.unimem.new_cache(2)
+    with pytest.raises(ValueError, match="two different caches"):
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, cache=a, past_key_values=b)
+    a.release()
+    b.release()
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+    out = greedy(small, ids, mask, 2)  # still usable
+    assert out.shape == (2, 7)
+
+
+def test_a_continuation_given_only_the_new_tokens_is_refused_with_what_to_pass(small):
+    ids, mask = prompts([6, 6], seed=8)
+    cache = small.unimem.new_cache(2)
+    try:
+        with torch.no_grad():
+            first = small.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
+            new = torch.randint(3, 1000, (2, 4), generator=torch.Generator().manual_seed(9))
+            with pytest.raises(GeometryError, match="input_ids has 4 tokens per row and the cache holds 8 already; "
+                                                    "pass the whole sequence so far"):
+                small.generate(new, max_new_tokens=2, do_sample=False, past_key_values=cache)
+            assert not cache.released  # refused before any step touched it
+            more = small.generate(torch.cat([first, new], 1), max_new_tokens=2, do_sample=False,
+                                  past_key_values=cache)
+        assert more.shape == (2, 15)
+    finally:
+        cache.release()
+
+
 def test_a_failed_generate_releases_the_cache_it_was_given(small):
     """A step that fails half way leaves tables that no longer match the cached tokens: the caller's cache is
     released (its memory returned) and a later use says why, instead of continuing from corrupt state."""
@@ -411,6 +454,19 @@ def test_a_forward_with_gradients_on_is_refused_with_the_fix(small):
     with pytest.raises(UnsupportedModel, match=r"inference only.*torch.no_grad\(\)"):
         small(ids)
     assert small.unimem.stats()["kv_pages_used"] == 0
+
+
+def test_a_memory_budget_larger_than_free_memory_is_refused_with_the_numbers(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("unimem_compile.compile"), "_free_device_bytes", lambda device: 3 << 20)
+    model = build_model("kimi-linear-tiny")
+    with pytest.raises(GeometryError, match=r"memory_budget of 4194304 bytes \(0.00 GiB\) is more than cpu has free: "
+                                            r"3145728 bytes"):
+        unimem_compile.compile(model, max_batch_size=1, max_seq_len=16, memory_budget=4 << 20)
+    assert not hasattr(model, "unimem")
+    unimem_compile.compile(model, max_batch_size=1, max_seq_len=16, memory_budget=2 << 20, backend="aot_eager")
+    assert model.unimem.pool.layout.memory_budget == 2 << 20
 
 
 def test_a_negative_memory_budget_is_refused():
@@ -644,9 +700,14 @@ def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(
                 gc.collect()
             else:
                 assert small.unimem.reclaim_orphans() == 0  # unreachable, not collected
-            # the live row needs 2 more pages: only the dropped cache's pages can give them
-            small.generate(torch.cat([first, ids[:, :12]], 1), max_new_tokens=2, do_sample=False, **{key: live})
+            # the live row needs 2 more pages: only the dropped cache's pages can give them; the dropped cache
+            # shared the live one's step buffers, which returning its rows empties in the middle of the step
+            more = torch.cat([first, ids[:, :12]], 1)
+            got = small.generate(more, max_new_tokens=6, do_sample=False, **{key: live})
         assert not live.released and small.unimem.reclaim_orphans() == 0
+        with torch.no_grad():
+            want = build_model("kimi-linear-tiny").generate(more, max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, want)
     finally:
         if was_enabled:
             gc.enable()
@@ -732,3 +793,51 @@ def test_a_direct_forward_with_an_unprepared_cache_is_refused(small):
         assert logits.shape[:2] == (1, 1) and logits.isfinite().all()
     finally:
         cache.release()
+
+
+def test_generate_from_two_threads_gives_each_call_its_own_correct_tokens(pair):
+    """Calls of one compiled model share step buffers per batch size and patched module globals: concurrent
+    generate() calls run one after the other (a lock per model) instead of mixing their steps."""
+    import threading
+
+    stock, model, _ = pair
+    calls = {"a": prompts([20, 14], seed=30), "b": prompts([9, 9], seed=31)}
+    want = {k: greedy(stock, ids, mask, 8) for k, (ids, mask) in calls.items()}
+    got, errors = {}, []
+
+    def run(key):
+        try:
+            got[key] = greedy(model, *calls[key], 8)
+        except BaseException as e:  # reported below: an exception in a thread would otherwise be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in calls for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k in calls:
+        assert torch.equal(got[k], want[k])
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def test_inference_mode_inside_and_outside_mix_freely():
+    """Tensors created on first use (the pool at compile(), step buffers per batch size, a cache's tables)
+    are written in place by later calls: made under torch.inference_mode() they used to be inference
+    tensors, and every later call outside it failed."""
+    stock = build_model("kimi-linear-tiny")
+    ids, mask = prompts([10, 7], seed=32)
+    want = greedy(stock, ids, mask, 4)
+    with torch.inference_mode():
+        model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=2, max_seq_len=32,
+                                       page_size=8, backend="aot_eager")
+        assert torch.equal(greedy(model, ids, mask, 4), want)
+        cache = model.unimem.new_cache(2)
+    assert torch.equal(greedy(model, ids, mask, 4), want)
+    assert torch.equal(greedy(model, ids, mask, 4, past_key_values=cache), want)
+    cache.release()
+    with torch.inference_mode():
+        assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
+    assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0

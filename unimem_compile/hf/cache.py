@@ -258,6 +258,7 @@ class UnifiedCache(Cache):
         PoolExhausted: the pool cannot hold the step's pages or the batch's slots (nothing allocated).
     """
 
+    @torch.inference_mode(False)  # tables made under inference_mode must stay writable outside it
     def __init__(self, handle: UnimemHandle, batch_size: int):
         if not 0 < batch_size <= handle.max_batch_size:
             raise GeometryError(f"batch size {batch_size} is outside [1, max_batch_size={handle.max_batch_size}]")
@@ -353,7 +354,10 @@ class UnifiedCache(Cache):
             raise GeometryError(f"this cache holds {self.num_rows} rows, the step has {batch}")
         new = total - self.logical_len
         if new <= 0:
-            raise GeometryError(f"the step brings no new tokens: {total} tokens, {self.logical_len} already cached")
+            raise GeometryError(
+                f"the step brings no new tokens: input_ids has {total} tokens per row and the cache holds "
+                f"{self.logical_len} already; pass the whole sequence so far (the cached tokens, then the new ones), "
+                "not only the new tokens")
         if total > self.max_seq_len:
             raise GeometryError(
                 f"a row would reach {total} tokens (prompt + generated, pads included), more than "
@@ -422,6 +426,9 @@ class UnifiedCache(Cache):
             if not self.handle.reclaim_orphans():
                 raise
             step()
+            # a reclaimed cache of this batch size shared our step buffers: returning its rows emptied their
+            # page table and slot ids (resident = None), so upload ours again (a no-op otherwise)
+            self._make_resident()
 
     @staticmethod
     def _left_pads(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor:
