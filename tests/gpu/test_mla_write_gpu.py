@@ -231,3 +231,25 @@ def test_each_op_call_is_exactly_one_kernel_launch(gen):
     for name, fn in calls.items():
         kernels = _cuda_kernels(fn)
         assert len(kernels) == 1, (name, kernels)
+
+
+def test_rows_copied_within_the_arena_are_read_before_any_store(gen):
+    """kv_nope / k_rope as views of the arena whose rows overlap the rows written (a shift by one token
+    over 1,024 tokens, many programs in flight): the result is the reference's, read-then-store."""
+    kv = MLASpec(L, R, DR, BF16)
+    st = LinearStateSpec.kda(2, 4, 32, 4, BF16)
+    pool = UnifiedPool(ArenaLayout.for_capacity(kv, st, 64, 20, 2), "cuda")
+    pages = pool.alloc_pages(16)
+    loc = torch.cat([torch.arange(p * 64, p * 64 + 64) for p in pages]).cuda()
+    pool.write_kv(3, loc, torch.randn(loc.numel(), D, generator=gen).to(BF16).cuda())
+    before = pool.read_kv(3, loc)
+    rows = pool.kv_views()[3][:, 0]
+    dense = pool.dense_rows(loc)
+    # one page's rows are contiguous in the layer view: shift the first page's tokens 0..62 to 1..63
+    first = int(dense[0])
+    assert torch.equal(dense[:64].cpu(), torch.arange(first, first + 64))
+    src = rows[first: first + 63]
+    mw.mla_kv_write_triton(pool.arena, pool.v2p, loc[1:64], src[:, :R], src[:, R:], 3, L, 64, R, DR, BF16)
+    after = pool.read_kv(3, loc)
+    assert torch.equal(after[1:64], before[:63]) and torch.equal(after[0], before[0])
+    assert torch.equal(after[64:], before[64:])
