@@ -241,7 +241,7 @@ def test_rows_copied_within_the_arena_are_read_before_any_store(gen):
     pool = UnifiedPool(ArenaLayout.for_capacity(kv, st, 64, 20, 2), "cuda")
     pages = pool.alloc_pages(16)
     loc = torch.cat([torch.arange(p * 64, p * 64 + 64) for p in pages]).cuda()
-    pool.write_kv(3, loc, torch.randn(loc.numel(), D, generator=gen).to(BF16).cuda())
+    pool.write_kv(3, loc, torch.randn(loc.numel(), D, generator=gen, device="cuda").to(BF16))
     before = pool.read_kv(3, loc)
     rows = pool.kv_views()[3][:, 0]
     dense = pool.dense_rows(loc)
