@@ -51,6 +51,8 @@ import time
 
 import torch
 
+from unimem_compile.demo import StepClock
+
 SYSTEMS = ("eager", "static", "unimem")
 LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem"}
 
@@ -156,37 +158,6 @@ def copy_bandwidth_gbs(device: torch.device) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-class StepClock:
-    """A logits processor that timestamps every generate() step and changes nothing.
-
-    On CUDA each mark is an event recorded on the current stream (no synchronisation); on the CPU a
-    ``time.perf_counter`` reading.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.mark()
-        return scores
-
-    def elapsed(self, i: int, j: int) -> float:
-        """Seconds from mark ``i`` to mark ``j`` (synchronises on CUDA)."""
-        if self.cuda:
-            self.marks[j].synchronize()
-            return self.marks[i].elapsed_time(self.marks[j]) * 1e-3
-        return self.marks[j] - self.marks[i]
-
-
 def timed_generate(model, ids, kwargs: dict, device: torch.device) -> tuple[torch.Tensor, float, float, int]:
     """One generate() with a StepClock: ``(output ids, prefill s, decode s, decode steps)``."""
     clock = StepClock(device)

@@ -11,11 +11,12 @@ import argparse
 import torch
 
 import unimem_compile
-from unimem_compile.hf.models import build_model
+from unimem_compile.hf.models import MODEL_PRESETS, build_model
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--model", default="kimi-linear-tiny")
+parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+parser.add_argument("--model", default="kimi-linear-tiny", choices=sorted(MODEL_PRESETS),
+                    help="a built-in random-weight model (default kimi-linear-tiny)")
 args = parser.parse_args()
 on_gpu = args.device.startswith("cuda")
 

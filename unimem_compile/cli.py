@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     d.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: fp32 on the CPU, bf16 on CUDA")
-    d.add_argument("--new-tokens", type=int, default=24)
+    d.add_argument("--new-tokens", type=int, default=24, help="tokens generated per prompt, >= 2 (default 24)")
     d.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
-    d.add_argument("--page-size", type=int, default=16)
+    d.add_argument("--page-size", type=int, default=16,
+                   help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
     d.add_argument("--cudagraphs", action="store_true", help="Inductor CUDA graphs (CUDA only)")
     d.add_argument("--json", action="store_true", help="print one JSON object (DESIGN.md section 5 keys)")

@@ -203,6 +203,9 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
     return ArenaLayout(budget, page_size, kv, state)
 
 
+#: the short dtype names the demo CLI and the README use, for compile(kv_dtype=...)
+_SHORT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 #: Graphs one compiled model may accumulate (prefill lengths and batch sizes before Dynamo marks them
 #: dynamic, with and without a padding mask); torch's default of 8 is counted per code object.
 RECOMPILE_LIMIT = 32
@@ -365,7 +368,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
             None: ``max_batch_size`` full rows of ``max_seq_len`` tokens with their states, the sink and
             the tail pad (GeometryError if that is more than the device has free).
         page_size: tokens per KV page.
-        kv_dtype: dtype of the cached latent rows (None: the model's dtype); a name ("bfloat16") works too.
+        kv_dtype: dtype of the cached latent rows (None: the model's dtype); a name ("bfloat16", "bf16")
+            works too.
         passes: True runs every rewrite, False none, or a collection of rewrite names
             (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
@@ -410,10 +414,11 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
                                  ("deferred_stop_check", deferred_stop_check, (None, False, True))):
         if not any(value is a for a in allowed):
             raise TypeError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-    if isinstance(kv_dtype, str):  # "bfloat16" / "torch.bfloat16", as transformers' dtype= accepts
-        name = kv_dtype.removeprefix("torch.")
+    if isinstance(kv_dtype, str):  # "bfloat16" / "torch.bfloat16", as transformers' dtype= accepts; "bf16"
+        name = _SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
         if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype")
+            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype (e.g. 'bfloat16', 'bf16', "
+                            "'float16', 'fp16', 'float32', 'fp32')")
         kv_dtype = getattr(torch, name)
     elif kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
         raise TypeError(f"kv_dtype must be a torch.dtype, a dtype name or None, got {kv_dtype!r}")

@@ -283,6 +283,9 @@ def test_compile_options_are_checked_before_anything_is_built():
     assert not hasattr(model, "unimem")  # every refusal left the model compilable
     unimem_compile.compile(model, kv_dtype="float32", backend="aot_eager", **kw)  # a dtype name works
     assert model.unimem.adapter.kv_spec.dtype == torch.float32
+    for short, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        other = unimem_compile.compile(build_model("kimi-linear-tiny"), kv_dtype=short, backend="aot_eager", **kw)
+        assert other.unimem.adapter.kv_spec.dtype == dtype  # the demo CLI's names
 
 
 def test_input_on_another_device_is_refused(small):
