@@ -27,11 +27,13 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-from unimem_compile.pool import geometry
+from unimem_compile.errors import GeometryError
+from unimem_compile.pool import GEOMETRIES, geometry
 from unimem_compile.pool.simulate import (
     GIB,
     TRACES,
@@ -66,9 +68,15 @@ def _run(job: tuple) -> tuple:
     if kind == "unified":
         system = UnifiedSystem(kv, state, budget, a["page_size"])
     elif kind == "padded":
-        system = PaddedHybridSystem(kv, state, budget)
+        try:
+            system = PaddedHybridSystem(kv, state, budget)
+        except GeometryError:  # the budget cannot hold the padded pool's minimum
+            return (trace_name, kind, fraction), None, None
     else:
-        system = StaticSplitSystem(kv, state, budget, fraction, a["page_size"])
+        try:
+            system = StaticSplitSystem(kv, state, budget, fraction, a["page_size"])
+        except GeometryError:  # one of the two pools would be below its minimum size: not a candidate
+            return (trace_name, kind, fraction), None, None
     trace = _trace(trace_name, a["seed"], a["quick"])
     r = simulate(system, trace, kv, state, tokens_per_tick=a["tokens_per_tick"], reserve_fraction=a["reserve"],
                  page_size=a["page_size"])
@@ -97,10 +105,17 @@ def _best(splits: dict[float, dict], metric: str) -> tuple[float, dict]:
     """The split with the highest ``metric`` among those that served the whole trace (nothing rejected); when
     every split rejects requests (a budget below the largest request's pool share), among those that
     rejected the fewest (its ``rejected`` count is in the results)."""
-    fewest = min(s["rejected"] for s in splits.values())
-    eligible = {f: s for f, s in splits.items() if s["rejected"] == fewest}
-    f = max(eligible, key=lambda k: (eligible[k][metric], -abs(k - 0.5)))
+    built = {f: s for f, s in splits.items() if s is not None}  # None: the budget cannot hold that split
+    fewest = min(s["rejected"] for s in built.values())
+    eligible = {f: s for f, s in built.items() if s["rejected"] == fewest}
+    # a split whose metric is None (no tick under load) ranks last for that metric
+    f = max(eligible, key=lambda k: (eligible[k][metric] is not None, eligible[k][metric] or 0.0, -abs(k - 0.5)))
     return f, eligible[f]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing (a system never under load) or b is 0."""
+    return a / b if a is not None and b else None
 
 
 def _fine_splits(splits: dict[str, dict[float, dict]]) -> set[tuple[str, float]]:
@@ -158,26 +173,31 @@ def run(args) -> dict:
     }
     for t in TRACES:
         trace = _trace(t, args.seed, args.quick)
+        half = splits[t].get(0.5)  # None when the budget cannot hold a 50/50 split
         entry = {"trace": _trace_stats(trace), "unified": results[t]["unified"],
-                 "padded_hybrid": results[t]["padded"], "static_50_50": splits[t][0.5],
-                 "static_grid": {f"{f:.2f}": {k: s[k] for k in ("mean_concurrent", "mean_concurrent_loaded",
-                                                                 "peak_concurrent", "rejected", "retracted")}
+                 "padded_hybrid": results[t]["padded"], "static_50_50": half,
+                 "static_grid": {f"{f:.2f}": ({k: s[k] for k in ("mean_concurrent", "mean_concurrent_loaded",
+                                                                  "peak_concurrent", "rejected", "retracted")}
+                                              if s is not None else "below the minimum pool sizes")
                                  for f, s in sorted(splits[t].items())}}
         for metric in ("mean_concurrent", "mean_concurrent_loaded"):
             f, best = _best(splits[t], metric)
             entry[f"best_static_by_{metric}"] = best
             u = results[t]["unified"][metric]
             entry[f"ratio_{metric}"] = {
-                "unified/best_static": u / best[metric] if best[metric] else None,
-                "unified/static_50_50": u / splits[t][0.5][metric] if splits[t][0.5][metric] else None,
-                "unified/padded_hybrid": u / results[t]["padded"][metric] if results[t]["padded"][metric] else None,
+                "unified/best_static": _ratio(u, best[metric]),
+                "unified/static_50_50": _ratio(u, half[metric] if half else None),
+                "unified/padded_hybrid": _ratio(u, results[t]["padded"][metric] if results[t]["padded"] else None),
                 "best_kv_fraction": f,
             }
+
+        def met(ratio):  # None: not measurable (e.g. no tick under load for one of the two)
+            return None if ratio is None else ratio >= TARGETS[t]
+
         entry["targets"] = {
             "unified/best_static >=": TARGETS[t],
-            "met_on_mean_concurrent": (entry["ratio_mean_concurrent"]["unified/best_static"] or 0) >= TARGETS[t],
-            "met_on_mean_concurrent_loaded":
-                (entry["ratio_mean_concurrent_loaded"]["unified/best_static"] or 0) >= TARGETS[t],
+            "met_on_mean_concurrent": met(entry["ratio_mean_concurrent"]["unified/best_static"]),
+            "met_on_mean_concurrent_loaded": met(entry["ratio_mean_concurrent_loaded"]["unified/best_static"]),
             "unified_refused_with_room": results[t]["unified"]["refused_with_room"]
             + results[t]["unified"]["retracted_with_room"],
         }
@@ -206,8 +226,12 @@ def _systems(entry: dict) -> list[tuple[str, dict]]:
     best = f"best static ({round(100 * f)}/{round(100 * (1 - f))} KV/state)"
     return [("unified", entry["unified"]),
             (best, entry["best_static_by_mean_concurrent"]),
-            ("static 50/50", entry["static_50_50"]),
+            ("static 50/50", entry["static_50_50"]),  # None: the budget cannot hold that split
             ("padded hybrid", entry["padded_hybrid"])]
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _x(ratio: float | None) -> str:
@@ -220,11 +244,14 @@ def format_table(report: dict) -> str:
     lines = [head, "-" * len(head)]
     for t, entry in report["traces"].items():
         for name, s in _systems(entry):
+            if s is None:
+                lines.append(f"{t:<11}{name:<32}  (the budget cannot hold this split's minimum pool sizes)")
+                continue
             lines.append(f"{t:<11}{name:<32}{s['peak_concurrent']:>6}{s['mean_concurrent']:>8.1f}"
-                         f"{s['mean_concurrent_loaded']:>8.1f}{s['refused']:>8}"
+                         f"{_f(s['mean_concurrent_loaded'], '.1f'):>8}{s['refused']:>8}"
                          f"{s['refused_with_room'] + s['retracted_with_room']:>7}{s['retracted']:>8}"
                          f"{s['mean_allocated_fraction']:>7.1%}{s['mean_useful_fraction']:>7.1%}"
-                         f"{s['mean_useful_fraction_loaded']:>7.1%}{s['ticks']:>7}")
+                         f"{_f(s['mean_useful_fraction_loaded'], '.1%'):>7}{s['ticks']:>7}")
         r1, r2 = entry["ratio_mean_concurrent"], entry["ratio_mean_concurrent_loaded"]
         lines.append(f"{'':<11}unified / best static: {_x(r1['unified/best_static'])} (mean), "
                      f"{_x(r2['unified/best_static'])} (loaded; best split {r2['best_kv_fraction']:.2f}); "
@@ -280,7 +307,9 @@ def plot(report: dict, plots_dir: str) -> list[str]:
             for j, (name, s) in enumerate(systems):
                 if j == 1:  # the best split for this metric
                     s = report["traces"][t][f"best_static_by_{metric}"]
-                ax.bar(i + (j - 1.5) * width, s[metric], width, color=colors[j],
+                if s is None:
+                    continue
+                ax.bar(i + (j - 1.5) * width, s[metric] or 0.0, width, color=colors[j],
                        label=name.split(" (")[0] if i == 0 else None)
                 ax.plot(i + (j - 1.5) * width, s["peak_concurrent"], "k_", ms=12, label="peak" if i == j == 0 else None)
             ratio = report["traces"][t][f"ratio_{metric}"]["unified/best_static"]
@@ -301,27 +330,45 @@ def plot(report: dict, plots_dir: str) -> list[str]:
 def main(argv=None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--geometry", default="kimi-linear-48b")
+    hybrid = sorted(n for n in GEOMETRIES if all(x is not None for x in geometry(n)))
+    p.add_argument("--geometry", default="kimi-linear-48b", choices=hybrid,
+                   help="a hybrid geometry (KV and state; default kimi-linear-48b)")
     p.add_argument("--budget-gib", type=float, default=None, help="arena budget (default 40; 4 with --quick)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--tokens-per-tick", type=int, default=16)
     p.add_argument("--reserve", type=float, default=0.01, help="admission keeps this fraction of the growing pool free")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="trace seed, >= 0")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="tiny traces (a smoke run of a few seconds)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/capacity_<date>.json)")
-    p.add_argument("--plots", default=os.path.join(here, "plots"), help="folder of the PNGs")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/capacity_<date>.json; "
+                                               "with --quick, in a temporary folder)")
+    p.add_argument("--plots", default=None, help="folder of the PNGs (default benchmarks/plots, the recorded "
+                                                 "ones; with --quick, a temporary folder)")
     args = p.parse_args(argv)
     if args.budget_gib is None:
         args.budget_gib = 4.0 if args.quick else 40.0
     for name, ok in (("--reserve must be in [0, 1)", 0 <= args.reserve < 1),
                      ("--budget-gib must be positive and finite", 0 < args.budget_gib < float("inf")),
                      ("--tokens-per-tick must be >= 1", args.tokens_per_tick >= 1),
+                     ("--page-size must be >= 1", args.page_size >= 1),
+                     ("--seed must be >= 0", args.seed >= 0),
                      ("--jobs must be >= 1", args.jobs >= 1)):
         if not ok:
             print(f"bench_capacity: {name}; got --reserve {args.reserve} --budget-gib {args.budget_gib} "
-                  f"--tokens-per-tick {args.tokens_per_tick} --jobs {args.jobs}", file=sys.stderr)
+                  f"--tokens-per-tick {args.tokens_per_tick} --page-size {args.page_size} --seed {args.seed} "
+                  f"--jobs {args.jobs}", file=sys.stderr)
             return 2
+    kv, state = geometry(args.geometry)
+    try:  # every system must hold at least one request of the trace's largest kind at this budget
+        UnifiedSystem(kv, state, int(args.budget_gib * GIB), args.page_size)
+    except GeometryError as e:
+        print(f"bench_capacity: --budget-gib {args.budget_gib} with --page-size {args.page_size}: {e}", file=sys.stderr)
+        return 2
+    if args.quick:  # a smoke run never overwrites the results and plots of record
+        scratch = os.path.join(tempfile.gettempdir(), "unimem_capacity_quick")
+        args.out = args.out or os.path.join(scratch, "capacity_quick.json")
+        args.plots = args.plots or scratch
+    args.plots = args.plots or os.path.join(here, "plots")
     start = time.perf_counter()
     report = run(args)
     paths = plot(report, args.plots)

@@ -5,10 +5,12 @@ import random
 import numpy as np
 import pytest
 
+from unimem_compile.errors import GeometryError
 from unimem_compile.pool import ArenaLayout, MultiEndedAllocator, geometry, padded_group_bytes
 from unimem_compile.pool.simulate import (
     GIB,
     PaddedHybridSystem,
+    Request,
     StaticSplitSystem,
     UnifiedSystem,
     phased_trace,
@@ -175,3 +177,45 @@ def test_a_static_split_outside_zero_one_is_refused_by_name(bad):
     with pytest.raises(GeometryError, match=f"static split 0.0001 of {BUDGET} bytes: KV pool {round(BUDGET * 1e-4)} "
                                             f"bytes, state pool {BUDGET - round(BUDGET * 1e-4)} bytes: "):
         StaticSplitSystem(KV, STATE, BUDGET, 0.0001)
+
+
+def test_custom_traces_are_checked_and_late_rejections_do_not_stretch_the_run():
+    """Found by a fresh session evaluating its own workload: each case used to give a silent wrong figure
+    or a bare KeyError / AttributeError."""
+    system = lambda: UnifiedSystem(KV, STATE, BUDGET)  # noqa: E731
+    for trace, message in (
+        ([Request(7, 0, 100, 32, "c"), Request(7, 0, 100, 64, "c")], "repeats rid 7"),
+        ([Request(0, 5, 100, 16, "c"), Request(1, 0, 100, 16, "c")], "sorted by arrival: trace\\[1\\] arrives at tick 0"),
+        ([Request(0, 0, 100, -3, "c")], "trace\\[0\\].output must be a non-negative int, got -3"),
+        ([Request(0, 0, 100.5, 3, "c")], "trace\\[0\\].prompt must be a non-negative int, got 100.5"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            simulate(system(), trace, KV, STATE)
+    # a request no system state could hold is rejected up front: the run ends with the last completion
+    huge = BUDGET // KV.token_bytes * 2
+    r = simulate(system(), [Request(0, 0, 100, 16, "c"), Request(1, 1000, huge, 1, "c")], KV, STATE)
+    assert (r.ticks, r.finished, r.rejected, r.mean_concurrent) == (2, 1, 1, 0.5)  # not 1001 ticks
+    # a far-future arrival: idle ticks are recorded at once, and max_ticks counts ticks without progress
+    r = simulate(system(), [Request(0, 0, 100, 16, "c"), Request(1, 150_000, 100, 32, "c")], KV, STATE,
+                 max_ticks=50)
+    assert r.ticks == 150_003 and r.finished == 2 and len(r.timeline["running"]) == r.ticks
+    assert sum(r.timeline["running"]) == 3 and r.mean_concurrent_loaded is None  # never a queue
+    assert r.timeline["kv_bytes"][1:150_000] == [0] * 149_999
+    # numpy ints are ints
+    assert simulate(system(), [Request(0, 0, 100, 16, "c")], KV, STATE, tokens_per_tick=np.int64(8)).ticks == 3
+
+
+def test_the_simulator_needs_both_sides_and_the_systems_page_size():
+    for make in (lambda kv, st: UnifiedSystem(kv, st, BUDGET), lambda kv, st: StaticSplitSystem(kv, st, BUDGET, 0.5),
+                 lambda kv, st: PaddedHybridSystem(kv, st, BUDGET)):
+        with pytest.raises(GeometryError, match="needs both a KV spec and a state spec"):
+            make(KV, None)
+        with pytest.raises(GeometryError, match="needs both a KV spec and a state spec"):
+            make(None, STATE)
+    with pytest.raises(ValueError, match="page_size=64 differs from the unified system's page size 16"):
+        simulate(UnifiedSystem(KV, STATE, BUDGET, page_size=16), _small_phased(0), KV, STATE, page_size=64)
+    for bad in (0, -16, 2.5):
+        with pytest.raises(GeometryError, match="kernel_block must be a positive number of tokens"):
+            PaddedHybridSystem(KV, STATE, BUDGET, kernel_block=bad)
+        with pytest.raises(GeometryError, match="kernel_block must be a positive number of tokens"):
+            padded_group_bytes(KV, STATE, 100, kernel_block=bad)

@@ -147,6 +147,14 @@ def _pool(layout: ArenaLayout) -> UnifiedPool:
     return UnifiedPool(layout, "meta", poison=False)
 
 
+def _check_hybrid(kv, state, who: str) -> None:
+    """The simulator compares how systems share one budget between KV pages and state slots: it needs both."""
+    if kv is None or state is None:
+        missing = "a KV spec" if kv is None else "a state spec"
+        raise GeometryError(f"{who} needs both a KV spec and a state spec (a hybrid model); got no {missing}: for a "
+                            "model with one kind of cache every memory system is the same single pool")
+
+
 class UnifiedSystem:
     """Every request's pages and its state slot in one :class:`UnifiedPool` of ``budget`` bytes.
 
@@ -159,6 +167,8 @@ class UnifiedSystem:
     name = "unified"
 
     def __init__(self, kv: KVSpec, state: LinearStateSpec, budget: int, page_size: int = 64):
+        _check_hybrid(kv, state, "UnifiedSystem")
+        self.page_size = page_size
         self.layout = ArenaLayout(int(budget), page_size, kv, state)
         self.pool = _pool(self.layout)
         self.budget = int(budget)
@@ -250,6 +260,8 @@ class StaticSplitSystem:
     """
 
     def __init__(self, kv: KVSpec, state: LinearStateSpec, budget: int, kv_fraction: float, page_size: int = 64):
+        _check_hybrid(kv, state, "StaticSplitSystem")
+        self.page_size = page_size
         self.budget = int(budget)
         self.kv_fraction = float(kv_fraction)
         if not 0 < self.kv_fraction < 1:
@@ -325,6 +337,9 @@ def padded_block_geometry(kv: MLASpec, state: LinearStateSpec, kernel_block: int
         rounded up to whole ``kernel_block``-token attention rows), ``attn_layers`` and ``linear_layers``
         (each kind padded to whole groups of ``min(#attention, #linear)`` layers).
     """
+    if isinstance(kernel_block, bool) or not isinstance(kernel_block, int) or kernel_block <= 0:
+        raise GeometryError(f"kernel_block must be a positive number of tokens, got {kernel_block!r}")
+    _check_hybrid(kv, state, "padded_block_geometry")
     per_layer_state = state.slot_bytes // state.layer_num
     block = round_up(-(-per_layer_state // kv.entry_bytes), kernel_block)
     group = min(kv.layer_num, state.layer_num)
@@ -347,6 +362,7 @@ class PaddedHybridSystem:
     name = "padded hybrid"
 
     def __init__(self, kv: MLASpec, state: LinearStateSpec, budget: int, kernel_block: int = 16):
+        _check_hybrid(kv, state, "PaddedHybridSystem")
         self.geo = padded_block_geometry(kv, state, kernel_block)
         self.budget = int(budget)
         page_spec = MLASpec(1, kv.kv_lora_rank, kv.qk_rope_head_dim, kv.dtype)
@@ -414,7 +430,8 @@ class SimResult:
     Concurrency: ``peak_concurrent`` and ``mean_concurrent`` (running requests, i.e. holding memory, per
     tick from tick 0 to the last completion), ``mean_concurrent_loaded`` (the mean over the
     ``loaded_ticks`` ticks that ended with requests waiting: what the memory sustains under pressure,
-    independent of how much work the trace offered at quiet times).
+    independent of how much work the trace offered at quiet times; None when no tick had requests
+    waiting: the system was never under pressure, so there is nothing to compare).
 
     Counters: ``refused`` (distinct requests that found no room at admission at least once; they waited),
     ``refusal_events`` (ticks on which the head of the queue found no room), ``refused_with_room``
@@ -427,7 +444,7 @@ class SimResult:
     slots, padding included) and of bytes the running requests need, over the budget;
     ``mean_useful_fraction_loaded``: the latter over the loaded ticks only (how close the system runs to
     the budget while requests wait: 1.0 is the most any memory system could hold under this scheduler,
-    with no padding, fragmentation or reserve). ``tokens_per_tick``:
+    with no padding, fragmentation or reserve; None without loaded ticks). ``tokens_per_tick``:
     decode tokens generated per tick over the run. ``mean_wait_ticks``: arrival to first admission.
 
     ``timeline`` holds one entry per tick: ``running``, ``waiting``, ``kv_bytes``, ``state_bytes``, ``useful_bytes``
@@ -439,7 +456,7 @@ class SimResult:
     ticks: int
     peak_concurrent: int
     mean_concurrent: float
-    mean_concurrent_loaded: float
+    mean_concurrent_loaded: float | None
     loaded_ticks: int
     refused: int
     refusal_events: int
@@ -450,7 +467,7 @@ class SimResult:
     finished: int
     mean_allocated_fraction: float
     mean_useful_fraction: float
-    mean_useful_fraction_loaded: float
+    mean_useful_fraction_loaded: float | None
     tokens_per_tick: float
     mean_wait_ticks: float
     extra: dict
@@ -474,8 +491,25 @@ class _Live:
         return self.req.prompt + self.generated
 
 
+def _check_trace(trace: list[Request]) -> None:
+    seen: set[int] = set()
+    last = 0
+    for i, r in enumerate(trace):
+        for name in ("rid", "arrival", "prompt", "output"):
+            value = getattr(r, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"trace[{i}].{name} must be a non-negative int, got {value!r}")
+        if r.rid in seen:
+            raise ValueError(f"trace[{i}] repeats rid {r.rid}: every request needs its own rid")
+        seen.add(r.rid)
+        if r.arrival < last:
+            raise ValueError(f"the trace must be sorted by arrival: trace[{i}] arrives at tick {r.arrival}, "
+                             f"after trace[{i - 1}] at tick {last}")
+        last = r.arrival
+
+
 def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *, tokens_per_tick: int = 16,
-             reserve_fraction: float = 0.01, page_size: int = 64, check_invariants: bool = False,
+             reserve_fraction: float = 0.01, page_size: int | None = None, check_invariants: bool = False,
              max_ticks: int = 100_000) -> SimResult:
     """Run ``trace`` through the FCFS continuous-batching scheduler on ``system`` (see the module docstring).
 
@@ -487,41 +521,67 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         tokens_per_tick: decode tokens each running request generates per tick.
         reserve_fraction: admission keeps this fraction of the growing pool free for running requests
             (in ``[0, 1)``; waived while no request runs).
-        page_size: page granularity of the request size in the ``refused_with_room`` test.
+        page_size: page granularity of the request size in the ``refused_with_room`` test; None (default):
+            the system's page size (the padded system: 64). A unified or static system refuses a page size
+            other than its own (the test would then count rounding, not stranded memory).
         check_invariants: run every pool allocator's ``check_invariants`` after every tick (slow; tests).
-        max_ticks: a guard against a scheduler that stops making progress (RuntimeError).
+        max_ticks: a guard against a scheduler that stops making progress: RuntimeError after this many
+            consecutive ticks without an admission, a finished request or a decoded token. Ticks with nothing
+            running or waiting are skipped to the next arrival (recorded as idle ticks, not stepped).
 
     Returns:
-        the :class:`SimResult`.
+        the :class:`SimResult`. Requests no system state could ever hold (``can_ever_hold``) are counted as
+        ``rejected`` up front and do not extend the run.
 
     Raises:
-        ValueError: ``reserve_fraction`` outside ``[0, 1)`` or ``tokens_per_tick`` < 1.
+        ValueError: ``reserve_fraction`` outside ``[0, 1)``, ``tokens_per_tick`` < 1, a request whose rid,
+            arrival, prompt or output is not a non-negative int, a repeated rid, a trace not sorted by
+            arrival, or a ``page_size`` that differs from the unified / static system's.
         RuntimeError: no progress for ``max_ticks`` ticks.
     """
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction}")
-    if isinstance(tokens_per_tick, bool) or not isinstance(tokens_per_tick, int) or tokens_per_tick < 1:
+    if isinstance(tokens_per_tick, (int, np.integer)) and not isinstance(tokens_per_tick, bool):
+        tokens_per_tick = int(tokens_per_tick)
+    if not isinstance(tokens_per_tick, int) or isinstance(tokens_per_tick, bool) or tokens_per_tick < 1:
         raise ValueError(f"tokens_per_tick must be a positive int, got {tokens_per_tick!r}")
-    arrivals = collections.deque(trace)
+    own = getattr(system, "page_size", None)
+    if page_size is None:
+        page_size = own if own is not None else 64
+    elif own is not None and page_size != own:
+        raise ValueError(f"page_size={page_size} differs from the {system.name} system's page size {own}: the "
+                         "'could the free memory hold it' test must round requests as the system does")
+    _check_trace(trace)
+    counters = collections.Counter()
+    held = [r for r in trace if system.can_ever_hold(r.prompt + r.output)]
+    counters["rejected"] = len(trace) - len(held)
+    arrivals = collections.deque(held)
     waiting: collections.deque[_Live] = collections.deque()
     running: list[_Live] = []  # admission order: the last is the first to be retracted
     page_slot_slack = _slack_bytes(system)
     refused_ids: set[int] = set()
-    counters = collections.Counter()
     waits: list[int] = []
     timeline: dict[str, list[int]] = collections.defaultdict(list)
     generated_total = 0
     t = 0
+    stalled = 0  # consecutive ticks without an admission, a finish or a decoded token
     while arrivals or waiting or running:
-        if t >= max_ticks:
+        if not waiting and not running and arrivals[0].arrival > t:
+            # nothing to do until the next arrival: record the idle ticks at once
+            gap = arrivals[0].arrival - t
+            idle = {"running": 0, "waiting": 0, "kv_bytes": system.kv_bytes(), "state_bytes": system.state_bytes(),
+                    "useful_bytes": 0}
+            if isinstance(system, UnifiedSystem):
+                idle.update(system.occupancy())
+            for k, v in idle.items():
+                timeline[k].extend([v] * gap)
+            t += gap
+        if stalled >= max_ticks:
             raise RuntimeError(f"simulation of {system.name} made no progress in {max_ticks} ticks "
-                               f"({len(waiting)} waiting, {len(running)} running)")
+                               f"({len(waiting)} waiting, {len(running)} running, tick {t})")
+        progress = generated_total + counters["finished"] + len(waits)
         while arrivals and arrivals[0].arrival <= t:
-            req = arrivals.popleft()
-            if system.can_ever_hold(req.prompt + req.output):
-                waiting.append(_Live(req))
-            else:
-                counters["rejected"] += 1
+            waiting.append(_Live(arrivals.popleft()))
 
         # decode: oldest first; a request that cannot grow evicts the newest ones (possibly itself)
         i = 0
@@ -586,6 +646,8 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         if check_invariants:
             for pool in system.pools():
                 pool.allocator.check_invariants()
+        # progress: a decoded token, a finish or a first admission (a re-admission after a retraction is not)
+        stalled = 0 if generated_total + counters["finished"] + len(waits) != progress else stalled + 1
         t += 1
 
     budget = system.budget
@@ -598,7 +660,7 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         ticks=t,
         peak_concurrent=int(run.max()) if t else 0,
         mean_concurrent=float(run.mean()) if t else 0.0,
-        mean_concurrent_loaded=float(run[loaded].mean()) if loaded.any() else 0.0,
+        mean_concurrent_loaded=float(run[loaded].mean()) if loaded.any() else None,
         loaded_ticks=int(loaded.sum()),
         refused=len(refused_ids),
         refusal_events=counters["refusal_events"],
@@ -609,7 +671,7 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         finished=counters["finished"],
         mean_allocated_fraction=float(allocated.mean() / budget) if t else 0.0,
         mean_useful_fraction=float(useful.mean() / budget) if t else 0.0,
-        mean_useful_fraction_loaded=float(useful[loaded].mean() / budget) if loaded.any() else 0.0,
+        mean_useful_fraction_loaded=float(useful[loaded].mean() / budget) if loaded.any() else None,
         tokens_per_tick=generated_total / t if t else 0.0,
         mean_wait_ticks=float(np.mean(waits)) if waits else 0.0,
         extra=system.stats(),

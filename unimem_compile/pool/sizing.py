@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..errors import GeometryError
 from .layout import ArenaLayout, KVSpec
 from .specs import LinearStateSpec, MLASpec, round_up
 from .unified import structural_overhead
@@ -72,6 +73,8 @@ def padded_group_bytes(kv: KVSpec | None, state: LinearStateSpec | None, tokens:
     """
     if kv is None or state is None:
         raise ValueError("padded_group_bytes models a hybrid geometry: give both a KV and a state spec")
+    if isinstance(kernel_block, bool) or not isinstance(kernel_block, int) or kernel_block <= 0:
+        raise GeometryError(f"kernel_block must be a positive number of tokens, got {kernel_block!r}")
     per_layer_state = state.slot_bytes // state.layer_num
     per_layer_token = kv.entry_bytes
     block = round_up(-(-per_layer_state // per_layer_token), kernel_block)
