@@ -359,10 +359,23 @@ def main(argv=None) -> int:
                   f"--jobs {args.jobs}", file=sys.stderr)
             return 2
     kv, state = geometry(args.geometry)
-    try:  # every system must hold at least one request of the trace's largest kind at this budget
-        UnifiedSystem(kv, state, int(args.budget_gib * GIB), args.page_size)
+    budget = int(args.budget_gib * GIB)
+    try:  # the budget must hold the unified arena's minimum (sink, tail pad, one page, one slot)
+        UnifiedSystem(kv, state, budget, args.page_size)
     except GeometryError as e:
         print(f"bench_capacity: --budget-gib {args.budget_gib} with --page-size {args.page_size}: {e}", file=sys.stderr)
+        return 2
+    buildable = []
+    for f in QUICK_GRID if args.quick else COARSE_GRID:  # and at least one static split of the grid
+        try:
+            StaticSplitSystem(kv, state, budget, f, args.page_size)
+            buildable.append(f)
+        except GeometryError:
+            pass
+    if not buildable:
+        print(f"bench_capacity: --budget-gib {args.budget_gib} cannot hold any static split of the grid (each "
+              "pool below its minimum: a sink, a tail pad and one page or slot); give a larger budget",
+              file=sys.stderr)
         return 2
     if args.quick:  # a smoke run never overwrites the results and plots of record
         scratch = os.path.join(tempfile.gettempdir(), "unimem_capacity_quick")

@@ -77,11 +77,11 @@ def main(argv=None) -> int:
         for metric in ("mean_concurrent", "mean_concurrent_loaded"):
             f, best = bc._best(splits[t], metric)
             row[metric] = {"unified": unified[t][metric], "best_static": best[metric], "best_kv_fraction": f,
-                           "ratio": unified[t][metric] / best[metric]}
+                           "ratio": bc._ratio(unified[t][metric], best[metric])}
         rows[n] = row
-        print(f"n_long {n:4d}: mean {row['mean_concurrent']['ratio']:.3f} (best split "
+        print(f"n_long {n:4d}: mean {bc._x(row['mean_concurrent']['ratio'])} (best split "
               f"{row['mean_concurrent']['best_kv_fraction']:.2f}), under load "
-              f"{row['mean_concurrent_loaded']['ratio']:.3f} (best split "
+              f"{bc._x(row['mean_concurrent_loaded']['ratio'])} (best split "
               f"{row['mean_concurrent_loaded']['best_kv_fraction']:.2f})", flush=True)
     if args.out:
         with open(args.out, "w") as fh:

@@ -157,8 +157,16 @@ def check_mla_geometry(
 
 
 def shares_storage(x: torch.Tensor, arena: torch.Tensor) -> bool:
-    """Whether ``x`` is a view into the same storage as ``arena`` (it may then overlap bytes an op writes)."""
-    return x.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    """Whether the bytes ``x`` reads may overlap the arena's (the same device and overlapping address ranges:
+    a view of the arena, or another tensor over the same memory, e.g. from DLPack). Conservative: the
+    whole span from ``x``'s first to last element counts."""
+    if x.device != arena.device or x.numel() == 0 or arena.numel() == 0:
+        return False
+    start = x.data_ptr()
+    end = start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+    a_start = arena.data_ptr()
+    a_end = a_start + arena.numel() * arena.element_size()
+    return start < a_end and a_start < end
 
 
 def check_slot_geometry(op: str, arena: torch.Tensor, s_v2p: torch.Tensor, byte_offset: int, nbytes: int,

@@ -67,7 +67,8 @@ class UnimemHandle:
         self._buffers: dict[int, StepBuffers] = {}
         self._orphans: list = []  # (page tables, slots, step buffers) of caches collected unreleased
         self._model_name = type(model).__name__
-        #: held by every generate() call: calls from several threads run one after the other (they share
+        #: held by every generate() call and by whatever returns a cache's rows (release, reset, creating a
+        #: cache, reclaiming dropped ones): calls from several threads run one after the other (they share
         #: the step buffers of a batch size and the adapter's patched module globals)
         self.generate_lock = threading.RLock()
 
@@ -117,9 +118,10 @@ class UnimemHandle:
         """Return the pages, slots and step buffers of caches that were garbage-collected without
         ``release()`` (creating a cache does this first); returns how many such caches were reclaimed."""
         count = 0
-        while self._orphans:
-            return_rows(self.pool, *self._orphans.pop())
-            count += 1
+        with self.generate_lock:  # returning rows empties step buffers a running generate() may share
+            while self._orphans:
+                return_rows(self.pool, *self._orphans.pop())
+                count += 1
         return count
 
     def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
@@ -146,8 +148,11 @@ class UnimemHandle:
 
 
 def _free_device_bytes(device: torch.device) -> int:
+    """Bytes an allocation on ``device`` can get: the driver's free memory plus, on CUDA, what PyTorch's
+    caching allocator holds reserved but unused (it serves new tensors from that first)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -366,7 +371,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md section 5
         max_seq_len: most tokens a row may reach: prompt (pads included) + new tokens.
         memory_budget: arena bytes (int); a fraction in (0, 1] of the device's free memory (float); or
             None: ``max_batch_size`` full rows of ``max_seq_len`` tokens with their states, the sink and
-            the tail pad (GeometryError if that is more than the device has free).
+            the tail pad. GeometryError if the int or the default is more than the device has free (free
+            memory includes what PyTorch's caching allocator holds unused).
         page_size: tokens per KV page.
         kv_dtype: dtype of the cached latent rows (None: the model's dtype); a name ("bfloat16", "bf16")
             works too.

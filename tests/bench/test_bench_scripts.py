@@ -138,11 +138,20 @@ def test_capacity_best_static_split_when_every_split_rejects_some_requests():
     assert bench._best(splits, "mean_concurrent") == (0.7, splits[0.7])  # fewest rejected, then the metric
     splits[0.3]["rejected"] = 0
     assert bench._best(splits, "mean_concurrent")[0] == 0.3  # a split serving the whole trace wins
+    # a split the budget cannot build (None) is no candidate; one never under load (None) ranks last
+    loaded = {0.2: None, 0.4: {"rejected": 0, "mean_concurrent_loaded": None},
+              0.6: {"rejected": 0, "mean_concurrent_loaded": 3.0}}
+    assert bench._best(loaded, "mean_concurrent_loaded")[0] == 0.6
+    assert bench._ratio(5.0, None) is None and bench._ratio(None, 2.0) is None and bench._ratio(3.0, 2.0) == 1.5
 
 
 @pytest.mark.parametrize("argv, message", [(["--reserve", "-0.5"], "--reserve must be in [0, 1)"),
                                            (["--reserve", "1"], "--reserve must be in [0, 1)"),
-                                           (["--budget-gib", "inf"], "--budget-gib must be positive and finite")])
+                                           (["--budget-gib", "inf"], "--budget-gib must be positive and finite"),
+                                           (["--page-size", "0"], "--page-size must be >= 1"),
+                                           (["--seed", "-1"], "--seed must be >= 0"),
+                                           (["--budget-gib", "0.05"], "below the minimum"),
+                                           (["--budget-gib", "0.09"], "cannot hold any static split of the grid")])
 def test_capacity_refuses_bad_arguments_before_simulating(tmp_path, capsys, argv, message):
     bench = _script("bench_capacity")
     assert bench.main(["--quick", "--out", str(tmp_path / "c.json"), "--plots", str(tmp_path / "p"), *argv]) == 2

@@ -844,3 +844,37 @@ def test_inference_mode_inside_and_outside_mix_freely():
         assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
     assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def test_releasing_a_cache_in_another_thread_waits_for_a_running_generate(small):
+    """Returning a cache's rows empties the step buffers its batch size shares: a release from another thread
+    between a running generate()'s prepare_step and its forward used to feed that step empty page tables
+    and slots (wrong tokens). Releases take the model's generate lock."""
+    import threading
+
+    ids, mask = prompts([9], seed=40)
+    with torch.no_grad():
+        want = build_model("kimi-linear-tiny").generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    a, b = small.unimem.new_cache(1), small.unimem.new_cache(1)  # the pool holds two rows
+    greedy(small, ids, mask, 2, past_key_values=b)  # b holds pages and slots of the same batch size
+    original, steps = a.prepare_step, []
+
+    def prepare_then_release_b(*args, **kwargs):
+        original(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:  # mid-generate: release b from another thread, give it a second to run
+            t = threading.Thread(target=b.release)
+            t.start()
+            t.join(timeout=1.0)
+            steps.append(t)
+
+    a.prepare_step = prepare_then_release_b
+    try:
+        with torch.no_grad():
+            got = small.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=a)
+    finally:
+        a.release()
+    releaser = next(x for x in steps if isinstance(x, threading.Thread))
+    releaser.join()
+    assert b.released and torch.equal(got, want)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0

@@ -298,6 +298,12 @@ def test_inputs_read_from_the_arena_itself_are_read_before_any_store(gen):
         after = pool.read_kv(1, loc)
         assert torch.equal(after[1:], before[:15]) and torch.equal(after[0], before[0])
         results.append(pool.arena.clone())
+        # the same bytes through a tensor with a storage of its own (DLPack): undone, then done again
+        pool.write_kv(1, loc, values)
+        alias = torch.from_dlpack(rows[first: first + 15])
+        assert alias.untyped_storage().data_ptr() != pool.arena.untyped_storage().data_ptr()
+        fn(pool.arena, pool.v2p, loc[1:], alias[:, :R], alias[:, R:], 1, L, 16, R, DR, torch.float32)
+        assert torch.equal(pool.arena, results[-1])
     assert torch.equal(results[0], results[1])
 
 

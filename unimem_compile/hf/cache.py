@@ -260,6 +260,10 @@ class UnifiedCache(Cache):
 
     @torch.inference_mode(False)  # tables made under inference_mode must stay writable outside it
     def __init__(self, handle: UnimemHandle, batch_size: int):
+        with handle.generate_lock:  # it reclaims orphans into step buffers a running generate() may share
+            self._init(handle, batch_size)
+
+    def _init(self, handle: UnimemHandle, batch_size: int) -> None:
         if not 0 < batch_size <= handle.max_batch_size:
             raise GeometryError(f"batch size {batch_size} is outside [1, max_batch_size={handle.max_batch_size}]")
         self.handle = handle
@@ -552,7 +556,10 @@ class UnifiedCache(Cache):
 
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
-        return_rows(self.pool, self.page_tables, self.slots, self.buffers)
+        # the model's generate() lock: returning rows empties the step buffers this batch size shares with a
+        # generate() that may be running in another thread between its prepare_step and its forward
+        with self.handle.generate_lock:
+            return_rows(self.pool, self.page_tables, self.slots, self.buffers)
         self._out_offset.zero_()
         self.logical_len = 0
         self.seq_length.fill_(0)

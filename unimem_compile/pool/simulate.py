@@ -438,7 +438,8 @@ class SimResult:
     (refusal events while the free bytes of the whole budget could hold the request, its reserve and one
     page + one slot of alignment slack), ``retracted`` (running requests evicted so another could grow),
     ``retracted_with_room`` (growth failures while the free bytes could hold the growth plus the slack),
-    ``rejected`` (requests larger than the whole memory system, dropped on arrival).
+    ``rejected`` (requests larger than the whole memory system, dropped before the run starts; they do not
+    extend it).
 
     ``mean_allocated_fraction`` / ``mean_useful_fraction``: the per-tick means of bytes allocated (pages +
     slots, padding included) and of bytes the running requests need, over the budget;
@@ -526,7 +527,8 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
             other than its own (the test would then count rounding, not stranded memory).
         check_invariants: run every pool allocator's ``check_invariants`` after every tick (slow; tests).
         max_ticks: a guard against a scheduler that stops making progress: RuntimeError after this many
-            consecutive ticks without an admission, a finished request or a decoded token. Ticks with nothing
+            consecutive ticks without a first admission (a re-admission after a retraction does not count),
+            a finished request or a decoded token. Ticks with nothing
             running or waiting are skipped to the next arrival (recorded as idle ticks, not stepped).
 
     Returns:
