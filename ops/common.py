@@ -156,7 +156,7 @@ def check_mla_geometry(
         )
 
 
-def shares_storage(x: torch.Tensor, arena: torch.Tensor) -> bool:
+def overlaps_arena(x: torch.Tensor, arena: torch.Tensor) -> bool:
     """Whether the bytes ``x`` reads may overlap the arena's (the same device and overlapping address ranges:
     a view of the arena, or another tensor over the same memory, e.g. from DLPack). Conservative: the
     whole span from ``x``'s first to last element counts."""

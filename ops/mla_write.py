@@ -33,7 +33,7 @@ from .common import (
     check_tensor,
     debug_checks,
     interpreting,
-    shares_storage,
+    overlaps_arena,
 )
 
 __all__ = [
@@ -193,7 +193,7 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, 
     # while other programs store, so a source overlapping a written row would race. Such inputs are copied
     # first, which gives the reference's semantics (every input read before anything is stored).
     kv_nope, k_rope, norm_weight = (
-        x.clone() if x is not None and shares_storage(x, arena) else x for x in (kv_nope, k_rope, norm_weight))
+        x.clone() if x is not None and overlaps_arena(x, arena) else x for x in (kv_nope, k_rope, norm_weight))
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
     r_p2 = triton.next_power_of_2(kv_lora_rank)
     # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps

@@ -160,6 +160,14 @@ def _free_device_bytes(device: torch.device) -> int:
     raise GeometryError("cannot tell the free memory of this machine: give memory_budget in bytes")
 
 
+def _free_bytes_if_known(device: torch.device) -> int | None:
+    """:func:`_free_device_bytes`, or None when the machine does not say (the allocation then decides)."""
+    try:
+        return _free_device_bytes(device)
+    except (GeometryError, OSError, RuntimeError):
+        return None
+
+
 def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size: int, max_seq_len: int,
             device: torch.device) -> ArenaLayout:
     kv, state = adapter.kv_spec, adapter.state_spec
@@ -169,11 +177,8 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
         layout = ArenaLayout.for_capacity(
             kv, state, page_size, row_pages * max_batch_size, max_batch_size if state is not None else 0
         )
-        try:
-            free = _free_device_bytes(device)
-        except (GeometryError, OSError, RuntimeError):  # unknown: let the allocation decide
-            return layout
-        if layout.memory_budget > free:  # fail here with the numbers, not as an out-of-memory kill later
+        free = _free_bytes_if_known(device)
+        if free is not None and layout.memory_budget > free:  # fail here with the numbers, not as an OOM later
             raise GeometryError(
                 f"the arena for max_batch_size={max_batch_size} full rows of max_seq_len={max_seq_len} tokens "
                 f"needs {layout.memory_budget} bytes ({layout.memory_budget / 2**30:.2f} GiB) but {device} has "
@@ -193,10 +198,7 @@ def _layout(adapter: ModelAdapter, memory_budget, page_size: int, max_batch_size
         budget = memory_budget
         if budget <= 0:
             raise GeometryError(f"memory_budget must be a positive number of bytes, got {budget}")
-        try:
-            free = _free_device_bytes(device)
-        except (GeometryError, OSError, RuntimeError):  # unknown: let the allocation decide
-            free = None
+        free = _free_bytes_if_known(device)
         if free is not None and budget > free:
             raise GeometryError(f"memory_budget of {budget} bytes ({budget / 2**30:.2f} GiB) is more than {device} "
                                 f"has free: {free} bytes ({free / 2**30:.2f} GiB)")

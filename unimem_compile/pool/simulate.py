@@ -36,7 +36,8 @@ import numpy as np
 
 from ..errors import GeometryError, PoolExhausted
 from .layout import ArenaLayout, KVSpec
-from .specs import LinearStateSpec, MLASpec, round_up
+from .sizing import padded_block_geometry
+from .specs import LinearStateSpec, MLASpec
 from .unified import UnifiedPool
 
 __all__ = [
@@ -329,28 +330,6 @@ class StaticSplitSystem:
         return {"kv_fraction": self.kv_fraction}
 
 
-def padded_block_geometry(kv: MLASpec, state: LinearStateSpec, kernel_block: int = 16) -> dict[str, int]:
-    """The page geometry of :func:`~unimem_compile.pool.padded_group_bytes`'s hybrid allocator model.
-
-    Returns:
-        ``block_tokens`` (attention tokens per page), ``page_bytes`` (one page, = the per-layer state
-        rounded up to whole ``kernel_block``-token attention rows), ``attn_layers`` and ``linear_layers``
-        (each kind padded to whole groups of ``min(#attention, #linear)`` layers).
-    """
-    if isinstance(kernel_block, bool) or not isinstance(kernel_block, int) or kernel_block <= 0:
-        raise GeometryError(f"kernel_block must be a positive number of tokens, got {kernel_block!r}")
-    _check_hybrid(kv, state, "padded_block_geometry")
-    per_layer_state = state.slot_bytes // state.layer_num
-    block = round_up(-(-per_layer_state // kv.entry_bytes), kernel_block)
-    group = min(kv.layer_num, state.layer_num)
-    return {
-        "block_tokens": block,
-        "page_bytes": block * kv.entry_bytes,
-        "attn_layers": -(-kv.layer_num // group) * group,
-        "linear_layers": -(-state.layer_num // group) * group,
-    }
-
-
 class PaddedHybridSystem:
     """One pool of equal pages (the per-layer state size): a request takes ``attn_layers`` pages per
     ``block_tokens`` tokens plus ``linear_layers`` pages for its states (see :func:`padded_block_geometry`).
@@ -543,10 +522,9 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
     """
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction}")
-    if isinstance(tokens_per_tick, (int, np.integer)) and not isinstance(tokens_per_tick, bool):
-        tokens_per_tick = int(tokens_per_tick)
-    if not isinstance(tokens_per_tick, int) or isinstance(tokens_per_tick, bool) or tokens_per_tick < 1:
+    if isinstance(tokens_per_tick, bool) or not isinstance(tokens_per_tick, (int, np.integer)) or tokens_per_tick < 1:
         raise ValueError(f"tokens_per_tick must be a positive int, got {tokens_per_tick!r}")
+    tokens_per_tick = int(tokens_per_tick)  # numpy ints too
     own = getattr(system, "page_size", None)
     if page_size is None:
         page_size = own if own is not None else 64

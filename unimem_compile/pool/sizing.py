@@ -20,6 +20,7 @@ __all__ = [
     "GEOMETRIES",
     "geometry",
     "max_requests",
+    "padded_block_geometry",
     "padded_group_bytes",
     "pool_info",
 ]
@@ -62,6 +63,32 @@ def max_requests(layout: ArenaLayout, tokens_per_request: int) -> int:
     return lo
 
 
+def padded_block_geometry(kv: MLASpec, state: LinearStateSpec, kernel_block: int = 16) -> dict[str, int]:
+    """The page geometry of :func:`padded_group_bytes`'s hybrid allocator model.
+
+    Returns:
+        ``block_tokens`` (attention tokens per page), ``page_bytes`` (one page, = the per-layer state
+        rounded up to whole ``kernel_block``-token attention rows), ``attn_layers`` and ``linear_layers``
+        (each kind padded to whole groups of ``min(#attention, #linear)`` layers).
+
+    Raises:
+        GeometryError: a missing spec, or ``kernel_block`` not a positive int.
+    """
+    if kv is None or state is None:
+        raise GeometryError("the padded hybrid model needs both a KV and a state spec (a hybrid geometry)")
+    if isinstance(kernel_block, bool) or not isinstance(kernel_block, int) or kernel_block <= 0:
+        raise GeometryError(f"kernel_block must be a positive number of tokens, got {kernel_block!r}")
+    per_layer_state = state.slot_bytes // state.layer_num
+    block = round_up(-(-per_layer_state // kv.entry_bytes), kernel_block)
+    group = min(kv.layer_num, state.layer_num)
+    return {
+        "block_tokens": block,
+        "page_bytes": block * kv.entry_bytes,
+        "attn_layers": -(-kv.layer_num // group) * group,
+        "linear_layers": -(-state.layer_num // group) * group,
+    }
+
+
 def padded_group_bytes(kv: KVSpec | None, state: LinearStateSpec | None, tokens: int, kernel_block: int = 16) -> int:
     """Bytes one request of ``tokens`` tokens takes in a hybrid allocator with one page size for every layer.
 
@@ -69,20 +96,14 @@ def padded_group_bytes(kv: KVSpec | None, state: LinearStateSpec | None, tokens:
     the same byte size, the per-layer state (conv + recurrent) of a linear layer; the attention block size
     is the smallest multiple of ``kernel_block`` tokens whose per-layer rows fill that page; layers are
     grouped in groups of as many layers as the smaller kind has, so the larger kind is padded to whole
-    groups. A request takes ``ceil(tokens / block)`` pages per attention layer and one page per linear layer.
+    groups. A request takes ``ceil(tokens / block)`` pages per attention layer and one page per linear layer
+    (:func:`padded_block_geometry`).
     """
     if kv is None or state is None:
         raise ValueError("padded_group_bytes models a hybrid geometry: give both a KV and a state spec")
-    if isinstance(kernel_block, bool) or not isinstance(kernel_block, int) or kernel_block <= 0:
-        raise GeometryError(f"kernel_block must be a positive number of tokens, got {kernel_block!r}")
-    per_layer_state = state.slot_bytes // state.layer_num
-    per_layer_token = kv.entry_bytes
-    block = round_up(-(-per_layer_state // per_layer_token), kernel_block)
-    page = block * per_layer_token
-    group = min(kv.layer_num, state.layer_num)
-    attn_layers = -(-kv.layer_num // group) * group
-    linear_layers = -(-state.layer_num // group) * group
-    return attn_layers * -(-tokens // block) * page + linear_layers * page
+    geo = padded_block_geometry(kv, state, kernel_block)
+    pages = geo["attn_layers"] * -(-tokens // geo["block_tokens"]) + geo["linear_layers"]
+    return pages * geo["page_bytes"]
 
 
 def pool_info(
