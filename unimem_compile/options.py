@@ -101,6 +101,8 @@ class CompileOptions:
     deferred_stop_check: bool | None = None
 
     def __post_init__(self) -> None:
+        # imported on use, as compile() imports the passes: they pull in Inductor, which importing
+        # unimem_compile alone should not
         from unimem_compile.passes import REWRITE_NAMES
         from unimem_compile.passes.manager import enabled_names
 
