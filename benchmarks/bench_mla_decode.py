@@ -1,7 +1,7 @@
 """Paged MLA decode: effective bandwidth of unimem::mla_decode against the measured HBM read ceiling, and
 side by side with plain-torch absorbed attention and the transformers way, in one run.
 
-Bytes are counted as FlashMLA does (../shared/PERF.md): sum of context lengths x 576 x 2 (the latent
+Bytes are counted as FlashMLA's benchmark counts them: sum of context lengths x 576 x 2 (the latent
 rows of one layer) + batch x heads x (576 + 512) x 2 (queries in, outputs out). Geometry: Kimi-Linear MLA
 (32 heads, kv_lora_rank 512, rope 64, 7 layers in a page envelope), page size 64, bf16; every row holds
 the full context on pages scattered at random over the arena. Times are `triton.testing.do_bench`
@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_compile import env
 from unimem_compile.ops import mla_decode as md
 from unimem_compile.ops import mla_decode_hopper
 
@@ -172,7 +173,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4 * 2**20, help="skip points with more tokens in total")
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     args = ap.parse_args()
-    os.environ[md.KERNEL_ENV] = args.kernel
+    os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kernel = kernel_name(args.kernel)
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
     contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]

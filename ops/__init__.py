@@ -1,15 +1,17 @@
-"""Custom ops of the ``unimem`` namespace (DESIGN.md section 4): declaration + fake impl + pure-torch
+"""Custom ops of the ``unimem`` namespace (docs/design.md section 4): declaration + fake impl + pure-torch
 reference + Triton kernel + checking launcher per op family. Import as ``unimem_compile.ops``; never as a
 top-level ``ops`` (each op would register twice).
 
-Modules: ``translate`` (id translation), ``mla_write`` (fused latent write), ``mla_gather`` (paged rows
--> dense history), ``mla_decode`` (paged decode attention), ``state`` (slot gather/scatter), ``conv``
-(short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for
-the Kimi-Linear adapter).
+Modules: ``geometry`` (:class:`MLAGeometry`, the six-argument geometry tail of every MLA op), ``common``
+(launcher checks, the state ops' slot footprints), ``translate`` (id translation), ``mla_write`` (fused
+latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (paged decode attention),
+``state`` (slot gather/scatter), ``conv`` (short-conv update in place), ``kda`` (Kimi Delta Attention
+decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter).
 """
 
-from . import conv, kda, kda_chunk, mla_decode, mla_gather, mla_write, state, translate
+from . import conv, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_write, state, translate
 from .conv import *  # noqa: F401,F403
+from .geometry import MLAGeometry  # noqa: F401
 from .kda import *  # noqa: F401,F403
 from .kda_chunk import *  # noqa: F401,F403
 from .mla_decode import *  # noqa: F401,F403

@@ -12,24 +12,36 @@ How an op is declared (every module in this package follows it):
   tests exercise kernels without a GPU). ``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is
   defined, i.e. at import: set it before importing ``unimem_compile``.
 
+* a state op (one that reads or writes sections of state slots) declares its :class:`SlotFootprint` with
+  :func:`declare_slot_footprint` next to its declaration: which argument is the section's offset inside a
+  slot and how many bytes the section has, so the graph passes can tell which calls touch which bytes
+  without knowing each op.
+
 A mutating op returns None and never aliases an input in its result (AOT functionalises it and Inductor
 re-inplaces it). Launchers check dtype, device, rank and trailing sizes always, and ids against the live
-set when ``UNIMEM_DEBUG=1`` (costs a device sync).
+set when ``UNIMEM_DEBUG=1`` (costs a device sync; read through :func:`unimem_compile.env.debug`).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from unimem_compile.errors import GeometryError
+from unimem_compile.pool.specs import KERNEL_KV_DTYPES
+
+from .geometry import MLAGeometry
 
 __all__ = [
     "KERNEL_KV_DTYPES",
-    "debug_checks",
-    "interpreting",
+    "FLOAT_INPUT_DTYPES",
+    "SLOT_ARGUMENTS",
+    "SlotFootprint",
+    "SLOT_FOOTPRINTS",
+    "declare_slot_footprint",
     "check_tensor",
     "check_same_device",
     "check_mla_geometry",
@@ -40,18 +52,39 @@ __all__ = [
     "check_live_slots",
 ]
 
-#: KV dtypes the kernels of this version compute in (fp8 is stored and moved, not computed on).
-KERNEL_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The float inputs the linear-attention ops take: :data:`KERNEL_KV_DTYPES`, widest first in their messages.
+FLOAT_INPUT_DTYPES = KERNEL_KV_DTYPES[::-1]
+
+#: The arguments through which every state op addresses slots, by schema name: the arena, the virtual ->
+#: physical slot table, the lanes' virtual slots and the slot pitch in bytes.
+SLOT_ARGUMENTS = ("arena", "s_v2p", "slot_ids", "slot_bytes")
 
 
-def debug_checks() -> bool:
-    """Whether ``UNIMEM_DEBUG=1``: launchers then check every location and slot id against the live set."""
-    return os.environ.get("UNIMEM_DEBUG") == "1"
+@dataclasses.dataclass(frozen=True)
+class SlotFootprint:
+    """The bytes of each lane's state slot that one call of a state op reads or writes.
+
+    The section is ``[arguments[offset], arguments[offset] + nbytes(arguments))`` of every slot the call's
+    :data:`SLOT_ARGUMENTS` address.
+
+    Attributes:
+        offset: the schema name of the argument holding the section's byte offset inside a slot.
+        nbytes: the section's size in bytes from the call's arguments bound by schema name, where a tensor
+            argument is a tensor (a fake one inside a graph) or None when its value is unknown; returns
+            None when it cannot tell (callers then assume the worst).
+    """
+
+    offset: str
+    nbytes: Callable[[Mapping[str, Any]], int | None]
 
 
-def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), e.g. on CPU tensors in CI."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+#: ``"unimem::<op>"`` -> the op's :class:`SlotFootprint`, for every state op (filled as the op modules load).
+SLOT_FOOTPRINTS: dict[str, SlotFootprint] = {}
+
+
+def declare_slot_footprint(qualified_name: str, offset: str, nbytes: Callable[[Mapping[str, Any]], int | None]) -> None:
+    """Declare the state op ``qualified_name`` (``"unimem::state_gather"``) and its :class:`SlotFootprint`."""
+    SLOT_FOOTPRINTS[qualified_name] = SlotFootprint(offset, nbytes)
 
 
 def check_tensor(
@@ -101,18 +134,8 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
-def check_mla_geometry(
-    op: str,
-    arena: torch.Tensor,
-    v2p: torch.Tensor,
-    layer: int,
-    layer_num: int,
-    page_size: int,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-    kv_dtype: torch.dtype,
-) -> None:
-    """Check the MLA geometry tail G against the arena and the page table size.
+def check_mla_geometry(op: str, arena: torch.Tensor, v2p: torch.Tensor, geometry: MLAGeometry) -> None:
+    """Check the MLA geometry tail G (:class:`~.geometry.MLAGeometry`) against the arena and the page table size.
 
     Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
     not a multiple of 16 bytes, ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
@@ -123,6 +146,7 @@ def check_mla_geometry(
     """
     check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
     check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1, contiguous=True)
+    layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype = geometry.args()
     if kv_dtype not in KERNEL_KV_DTYPES:
         raise TypeError(f"{op}: kv_dtype must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}")
     for name, value in (("layer_num", layer_num), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
@@ -145,7 +169,7 @@ def check_mla_geometry(
             f"{op}: {v2p.numel()} pages of {page_bytes} bytes plus the tail pad need {need} "
             f"arena bytes, the arena has {arena.numel()}"
         )
-    # a pool's arena holds exactly len(v2p) pages plus a one-page tail pad (DESIGN.md section 3): a smaller
+    # a pool's arena holds exactly len(v2p) pages plus a one-page tail pad (docs/design.md section 3): a smaller
     # page (half the page size, fewer layers, a narrower dtype) still fits, but every row lands elsewhere
     holds = arena.numel() // page_bytes - 1
     if holds != v2p.numel():

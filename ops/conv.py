@@ -19,15 +19,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import check_same_device, check_slot_geometry, check_tensor
+from .common import FLOAT_INPUT_DTYPES, check_same_device, check_slot_geometry, check_tensor, declare_slot_footprint
 from .state import check_slot_ids, gather_sections, scatter_sections, typed_arena
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_update_triton", "causal_conv1d_step", "ACTIVATIONS"]
 
 #: Activation names the op accepts (None = identity); both names mean SiLU, as in transformers' ACT2FN.
 ACTIVATIONS = (None, "silu", "swish")
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -88,15 +86,15 @@ def _conv_update_kernel(x_ptr, stride_xb, arena_ptr, s_v2p_ptr, slot_ptr, w_ptr,
 
 
 def _check(op, x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias, activation) -> None:
-    check_tensor(op, "x", x, dtype=_FLOAT_DTYPES, dim=2)
+    check_tensor(op, "x", x, dtype=FLOAT_INPUT_DTYPES, dim=2)
     b, c = x.shape
-    check_tensor(op, "weight", weight, dtype=_FLOAT_DTYPES, dim=2)
+    check_tensor(op, "weight", weight, dtype=FLOAT_INPUT_DTYPES, dim=2)
     if weight.shape[0] != c:
         raise ValueError(f"{op}: weight must be [C={c}, kernel], got {list(weight.shape)}")
     if weight.shape[1] < 1:
         raise ValueError(f"{op}: the kernel width must be positive, got weight {list(weight.shape)}")
     if bias is not None:
-        check_tensor(op, "bias", bias, dtype=_FLOAT_DTYPES, shape=(c,))
+        check_tensor(op, "bias", bias, dtype=FLOAT_INPUT_DTYPES, shape=(c,))
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     nbytes = c * weight.shape[1] * x.element_size()
@@ -177,3 +175,11 @@ def _(x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias=None, act
 def _(x, arena, s_v2p, slot_ids, conv_offset, slot_bytes, weight, bias=None, activation=None):
     check_same_device("causal_conv1d_update", x=x, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids, weight=weight, bias=bias)
     return x.new_empty(x.shape)
+
+
+def _conv_state_bytes(a) -> int | None:
+    x, weight = a["x"], a["weight"]  # the section is [C, K] of x's dtype
+    return None if x is None or weight is None else x.shape[1] * weight.shape[1] * x.element_size()
+
+
+declare_slot_footprint("unimem::causal_conv1d_update", offset="conv_offset", nbytes=_conv_state_bytes)

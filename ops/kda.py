@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_knob, check_same_device, check_slot_geometry, check_tensor
+from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_tensor,
+                     declare_slot_footprint)
 from .state import (
     check_slot_ids,
     gather_sections,
@@ -50,7 +51,6 @@ __all__ = [
     "fla_chunk_kda",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 L2NORM_EPS = 1e-6
 
 
@@ -132,12 +132,12 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 # ---------------------------------------------------------------------------- checks
 def _check_common(op, q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, lead: int):
     """Shapes ``q, k, g [*lead, H, K]``, ``v [*lead, H, V]``, ``beta [*lead, H]``; returns (B, H, K, V)."""
-    check_tensor(op, "q", q, dtype=_FLOAT_DTYPES, dim=lead + 2)
+    check_tensor(op, "q", q, dtype=FLOAT_INPUT_DTYPES, dim=lead + 2)
     *lead_shape, h, dk = q.shape
-    check_tensor(op, "k", k, dtype=_FLOAT_DTYPES, shape=tuple(q.shape))
-    check_tensor(op, "v", v, dtype=_FLOAT_DTYPES, shape=(*lead_shape, h, None))
+    check_tensor(op, "k", k, dtype=FLOAT_INPUT_DTYPES, shape=tuple(q.shape))
+    check_tensor(op, "v", v, dtype=FLOAT_INPUT_DTYPES, shape=(*lead_shape, h, None))
     check_tensor(op, "g", g, dtype=torch.float32, shape=tuple(q.shape))
-    check_tensor(op, "beta", beta, dtype=_FLOAT_DTYPES, shape=(*lead_shape, h))
+    check_tensor(op, "beta", beta, dtype=FLOAT_INPUT_DTYPES, shape=(*lead_shape, h))
     dv = v.shape[-1]
     check_slot_geometry(op, arena, s_v2p, state_offset, h * dk * dv * 4, slot_bytes)
     check_same_device(op, q=q, k=k, v=v, g=g, beta=beta, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids)
@@ -342,3 +342,12 @@ def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale,
 def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale, use_qk_l2norm):
     check_same_device("kda_prefill", q=q, k=k, v=v, g=g, beta=beta, arena=arena, s_v2p=s_v2p, slot_ids=slot_ids)
     return q.new_empty(v.shape)
+
+
+def _recurrent_state_bytes(a) -> int | None:
+    q, v = a["q"], a["v"]  # the section is [H, K, V] fp32: q [.., H, K], v [.., H, V]
+    return None if q is None or v is None else q.shape[-2] * q.shape[-1] * v.shape[-1] * 4
+
+
+declare_slot_footprint("unimem::kda_decode", offset="state_offset", nbytes=_recurrent_state_bytes)
+declare_slot_footprint("unimem::kda_prefill", offset="state_offset", nbytes=_recurrent_state_bytes)

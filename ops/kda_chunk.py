@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_device, check_tensor
+from .common import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
 from .kda import fla_chunk_kda, kda_chunked
 
 __all__ = ["kda_chunk"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _check(q, k, v, g, beta, initial_state):
     op = "kda_chunk"
-    check_tensor(op, "q", q, dtype=_FLOAT_DTYPES, dim=4)
+    check_tensor(op, "q", q, dtype=FLOAT_INPUT_DTYPES, dim=4)
     b, t, h, dk = q.shape
-    check_tensor(op, "k", k, dtype=_FLOAT_DTYPES, shape=(b, t, h, dk))
-    check_tensor(op, "v", v, dtype=_FLOAT_DTYPES, dim=4, shape=(b, t, h, None))
+    check_tensor(op, "k", k, dtype=FLOAT_INPUT_DTYPES, shape=(b, t, h, dk))
+    check_tensor(op, "v", v, dtype=FLOAT_INPUT_DTYPES, dim=4, shape=(b, t, h, None))
     check_tensor(op, "g", g, dtype=tuple(dict.fromkeys((torch.float32, q.dtype))), shape=(b, t, h, dk))
-    check_tensor(op, "beta", beta, dtype=_FLOAT_DTYPES, shape=(b, t, h))
+    check_tensor(op, "beta", beta, dtype=FLOAT_INPUT_DTYPES, shape=(b, t, h))
     check_tensor(op, "initial_state", initial_state, dtype=torch.float32, shape=(b, h, dk, v.shape[-1]))
     check_same_device(op, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
 

@@ -1,7 +1,7 @@
 """Op ``unimem::mla_decode``: paged MLA decode attention over latent pages (split-K flash decoding).
 
 One query token per row attends over that row's first ``kv_len[b]`` cached latent rows, read straight
-from the arena through ``page_table -> v2p`` (DESIGN.md section 3: token ``i`` of row ``b`` lies on
+from the arena through ``page_table -> v2p`` (docs/design.md section 3: token ``i`` of row ``b`` lies on
 virtual page ``page_table[b, i // ps]`` at offset ``i % ps``; its row in layer ``l`` is
 ``v2p[vpage] * ps * L + l * ps + i % ps``, ``D = R + Dr`` elements of ``kv_dtype`` wide). Queries are
 absorbed (``q_nope`` already multiplied by W_UK), so keys are whole rows and values are their first ``R``
@@ -20,18 +20,20 @@ computed inside the kernel from ``kv_len``.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.compiler.errors
 import triton.language as tl
 
+from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
 from .common import (KERNEL_KV_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
-                     check_tensor, debug_checks)
-from .mla_decode_hopper import WGMMA_BLOCK_N, disable_wgmma, mla_decode_stage1_wgmma, wgmma_supported
+                     check_tensor)
+from .geometry import MLAGeometry
+from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
+                                wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -46,8 +48,6 @@ MAX_BLOCK_H = 32
 INTERPRETER_SMS = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
-#: Environment override of the stage-1 form for every call (benchmarks, A/B runs): one of KERNELS.
-KERNEL_ENV = "UNIMEM_MLA_DECODE_KERNEL"
 
 _LOG2E = 1.4426950408889634
 
@@ -55,18 +55,20 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------- reference
 def mla_decode_reference(
     q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
-    kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, kv_dtype: torch.dtype,
+    kv_len: torch.Tensor, sm_scale: float, *geometry,
 ) -> torch.Tensor:
     """Plain-torch paged MLA decode: gather every row's tokens through the tables, fp32 softmax.
 
-    Same contract as :func:`mla_decode` (no input checks). Tokens on tombstoned pages (or page-table
-    entries < 0 / past ``v2p``) inside ``kv_len`` read as zero rows; tokens at or past ``kv_len`` are
-    never used (their bytes may be NaN). Memory: ``B * P * page_size * D`` fp32 values.
+    Same contract as :func:`mla_decode` (``geometry``: the six values of :class:`~.geometry.MLAGeometry`;
+    no input checks). Tokens on tombstoned pages (or page-table entries < 0 / past ``v2p``) inside
+    ``kv_len`` read as zero rows; tokens at or past ``kv_len`` are never used (their bytes may be NaN).
+    Memory: ``B * P * page_size * D`` fp32 values.
     """
+    g = MLAGeometry(*geometry)
+    layer, layer_num, kv_dtype = g.layer, g.layer_num, g.kv_dtype
     B, H, R = q_nope.shape
-    D = kv_lora_rank + qk_rope_head_dim
-    ps, P = page_size, page_table.shape[1]
+    D = g.row_width
+    ps, P = g.page_size, page_table.shape[1]
     dev = q_nope.device
     t = torch.arange(P * ps, device=dev)
     length = kv_len.to(torch.int64).clamp(0, P * ps)
@@ -76,7 +78,7 @@ def mla_decode_reference(
     ppage = v2p[vpage.clamp(0, v2p.numel() - 1)]
     ok = ok & (ppage >= 0)
     rows = torch.where(ok, ppage * (ps * layer_num) + layer * ps + t % ps, 0)
-    row_bytes = D * kv_dtype.itemsize
+    row_bytes = g.row_bytes
     typed = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)
     kv = torch.where(ok[..., None], typed[rows].float(), 0.0)  # [B, n, D]; where() drops NaN bytes
     q = torch.cat([q_nope, q_rope], dim=-1).float()
@@ -254,29 +256,29 @@ def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size:
     return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
 
 
-def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
-           qk_rope_head_dim, kv_dtype) -> None:
+def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, g: MLAGeometry) -> None:
     check_tensor(op, "q_nope", q_nope, dtype=KERNEL_KV_DTYPES, dim=3)
     B, H = q_nope.shape[:2]
-    check_tensor(op, "q_nope", q_nope, shape=(B, H, kv_lora_rank))
-    check_tensor(op, "q_rope", q_rope, dtype=q_nope.dtype, shape=(B, H, qk_rope_head_dim))
+    check_tensor(op, "q_nope", q_nope, shape=(B, H, g.kv_lora_rank))
+    check_tensor(op, "q_rope", q_rope, dtype=q_nope.dtype, shape=(B, H, g.qk_rope_head_dim))
     check_tensor(op, "page_table", page_table, dtype=torch.int32, dim=2)
     check_tensor(op, "page_table", page_table, shape=(B, None))
     check_tensor(op, "kv_len", kv_len, dtype=torch.int32, shape=(B,))
-    check_mla_geometry(op, arena, v2p, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    check_mla_geometry(op, arena, v2p, g)
     check_same_device(op, q_nope=q_nope, q_rope=q_rope, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len)
 
 
 def mla_decode_triton(
     q_nope: torch.Tensor, q_rope: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
-    kv_len: torch.Tensor, sm_scale: float, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, kv_dtype: torch.dtype, *, num_splits: int | None = None, block_n: int | None = None,
+    kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-    partial_dtype: torch.dtype | None = None, kernel: str | None = None,
+    partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
-    Args: as :func:`mla_decode`, plus keyword-only tuning knobs for tests and benchmarks:
+    Args: as :func:`mla_decode` (``geometry``: its six geometry values, :class:`~.geometry.MLAGeometry`),
+    plus keyword-only tuning knobs for tests and benchmarks:
         num_splits: splits per row (default :func:`mla_decode_num_splits`, from static sizes only).
         block_n, num_stages: tokens per tile (a power of two >= 16) and pipeline depth; default 64 and 2
             when the page size is a multiple of 64 (a tile is one page run), else 32 and 3 (per-token page
@@ -287,12 +289,14 @@ def mla_decode_triton(
             or fp16; default fp32: bf16 partials measured 2-3% faster on an H200 in the third session's sweeps but slower in
             an earlier run, and add a rounding). The log-sum-exps are always fp32.
         kernel: stage-1 form, one of :data:`KERNELS` (default: the ``UNIMEM_MLA_DECODE_KERNEL``
-            environment variable, else "auto"). "auto" takes the Hopper TMA + wgmma kernel where
-            :func:`~.mla_decode_hopper.wgmma_supported` says it applies (sm_90, bf16/fp16, page size a
-            multiple of 64, R 512, Dr 64) and the portable Triton kernel elsewhere; "wgmma"
-            raises ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
-            ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a 2-deep TMA ring) and its
+            environment variable, :func:`unimem_compile.env.mla_decode_kernel`, else "auto"). "auto" takes
+            the Hopper TMA + wgmma kernel where :func:`~.mla_decode_hopper.wgmma_supported` says it applies
+            (sm_90, bf16/fp16, page size a multiple of 64, R 512, Dr 64) and the portable Triton kernel
+            elsewhere; "wgmma" raises ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
+            ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a ``wgmma_stages``-deep TMA ring) and its
             default split count assumes one resident program per SM.
+        wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
+            :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -304,9 +308,10 @@ def mla_decode_triton(
         ``kv_len`` outside the table or a page inside ``kv_len`` that is not live (costs a device sync).
     """
     op = "mla_decode"
-    _check(op, q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size, kv_lora_rank,
-           qk_rope_head_dim, kv_dtype)
-    if debug_checks():
+    g = MLAGeometry(*geometry)
+    _check(op, q_nope, q_rope, arena, v2p, page_table, kv_len, g)
+    layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype = g.args()
+    if env.debug():
         check_live_page_table(op, v2p, page_table, kv_len, page_size)
     B, H, R = q_nope.shape
     P = page_table.shape[1]
@@ -316,10 +321,13 @@ def mla_decode_triton(
             check_knob(op, name, value)
     if block_h is not None:
         check_knob(op, "block_h", block_h, low=16, power_of_two=True)
-    if partial_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+    check_knob(op, "wgmma_stages", wgmma_stages)
+    if not isinstance(wgmma_early_refill, bool):
+        raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
+    if partial_dtype is not None and partial_dtype not in KERNEL_KV_DTYPES:
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
-    kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
+    kernel = kernel or env.mla_decode_kernel() or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
     fits_wgmma = wgmma_supported(q_nope.device, kv_dtype, page_size, kv_lora_rank, qk_rope_head_dim)
@@ -354,8 +362,8 @@ def mla_decode_triton(
         q_rope = q_rope.contiguous()
     page_table = page_table.contiguous()
     kv_len = kv_len.contiguous()
-    D = kv_lora_rank + qk_rope_head_dim
-    row_bytes = D * kv_dtype.itemsize
+    D = g.row_width
+    row_bytes = g.row_bytes
     n_rows = arena.numel() // row_bytes
     kv = arena[: n_rows * row_bytes].view(kv_dtype)
     if splits > 1:
@@ -367,7 +375,7 @@ def mla_decode_triton(
         try:
             mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse,
                                     out, sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num,
-                                    splits, block_h)
+                                    splits, block_h, stages=wgmma_stages, early_refill=wgmma_early_refill)
         except triton.compiler.errors.CompilationError as e:
             # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
             # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
@@ -375,14 +383,13 @@ def mla_decode_triton(
                 raise
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
             disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}")
-            return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num,
-                                     page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype, num_splits=num_splits,
+            return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry,
+                                     num_splits=num_splits,
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
                                      partial_dtype=partial_dtype, kernel="portable")
     else:
-        _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, page_size,
-                         layer, layer_num, H, splits, qk_rope_head_dim, kv_dtype, block_h, block_n, num_warps,
-                         num_stages)
+        _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
+                         block_h, block_n, num_warps, num_stages)
     if splits > 1:
         _mla_decode_merge_kernel[(B, H)](
             part_o, part_lse, kv_len, out, P * page_size, H, splits,
@@ -391,10 +398,10 @@ def mla_decode_triton(
     return out
 
 
-def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, page_size,
-                     layer, layer_num, H, splits, qk_rope_head_dim, kv_dtype, block_h, block_n, num_warps,
-                     num_stages) -> None:
-    B, _, R = q_nope.shape
+def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
+                     g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
+    B, H, R = q_nope.shape
+    layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
     page_tile = page_size % block_n == 0
     if num_stages is None:
         num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
@@ -439,24 +446,20 @@ def mla_decode(
     Raises:
         TypeError / GeometryError / ValueError: see :func:`mla_decode_triton`.
     """
-    _check("mla_decode", q_nope, q_rope, arena, v2p, page_table, kv_len, layer, layer_num, page_size,
-           kv_lora_rank, qk_rope_head_dim, kv_dtype)
-    if debug_checks():
+    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    _check("mla_decode", q_nope, q_rope, arena, v2p, page_table, kv_len, g)
+    if env.debug():
         check_live_page_table("mla_decode", v2p, page_table, kv_len, page_size)
-    return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num,
-                                page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
 
 
 @mla_decode.register_kernel("cuda")
-def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
-    return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size,
-                             kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry):
+    return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry)
 
 
 @mla_decode.register_fake
-def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
+def _(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry):
     check_same_device("mla_decode", q_nope=q_nope, q_rope=q_rope, arena=arena, v2p=v2p, page_table=page_table,
                       kv_len=kv_len)
     return q_nope.new_empty(q_nope.shape)

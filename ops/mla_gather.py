@@ -16,9 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
-from .common import check_live_page_table, check_mla_geometry, check_same_device, check_tensor, debug_checks
+from .common import check_live_page_table, check_mla_geometry, check_same_device, check_tensor
+from .geometry import MLAGeometry
 from .mla_write import check_kernel_device, latent_rows, typed_rows
 
 # The op object is reached as ``torch.ops.unimem.mla_gather`` or ``unimem_compile.ops.mla_gather.mla_gather``:
@@ -27,9 +29,8 @@ from .mla_write import check_kernel_device, latent_rows, typed_rows
 __all__ = ["mla_gather_triton", "mla_gather_reference"]
 
 
-def _check(op, arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size, kv_lora_rank,
-           qk_rope_head_dim, kv_dtype) -> None:
-    check_mla_geometry(op, arena, v2p, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _check(op, arena, v2p, page_table, kv_len, out_offset, max_len, g: MLAGeometry) -> None:
+    check_mla_geometry(op, arena, v2p, g)
     check_tensor(op, "page_table", page_table, dtype=torch.int32, dim=2)
     b = page_table.shape[0]
     check_tensor(op, "kv_len", kv_len, dtype=torch.int32, shape=(b,))
@@ -37,8 +38,8 @@ def _check(op, arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer
     if max_len < 0:
         raise ValueError(f"{op}: max_len must be >= 0, got {max_len}")
     check_same_device(op, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len, out_offset=out_offset)
-    if debug_checks():
-        _check_rows(op, v2p, page_table, kv_len, out_offset, max_len, page_size)
+    if env.debug():
+        _check_rows(op, v2p, page_table, kv_len, out_offset, max_len, g.page_size)
 
 
 def _check_rows(op, v2p, page_table, kv_len, out_offset, max_len, page_size) -> None:
@@ -63,12 +64,14 @@ def _check_rows(op, v2p, page_table, kv_len, out_offset, max_len, page_size) -> 
     check_live_page_table(op, v2p, page_table, kv_len, page_size)
 
 
-def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size,
-                         kv_lora_rank, qk_rope_head_dim, kv_dtype) -> torch.Tensor:
-    """Plain-torch :func:`mla_gather` (arguments and result as there; no checks)."""
+def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, *geometry) -> torch.Tensor:
+    """Plain-torch :func:`mla_gather` (arguments and result as there, ``geometry`` the six values of
+    :class:`~.geometry.MLAGeometry`; no checks)."""
+    g = MLAGeometry(*geometry)
+    page_size, kv_dtype = g.page_size, g.kv_dtype
     b, p = page_table.shape
     if p == 0:  # no page columns: every position is empty (the gather below cannot index an empty dim)
-        return torch.zeros(b, max_len, kv_lora_rank + qk_rope_head_dim, dtype=kv_dtype, device=arena.device)
+        return torch.zeros(b, max_len, g.row_width, dtype=kv_dtype, device=arena.device)
     i = torch.arange(max_len, device=arena.device)[None, :] - out_offset.long()[:, None]
     have = (i >= 0) & (i < kv_len.long()[:, None])
     i = torch.where(have, i, 0)
@@ -76,8 +79,8 @@ def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, la
     have = have & (col < p)
     vpage = page_table.long().gather(1, torch.where(have, col, 0))
     loc = torch.where(have & (vpage >= 0), vpage * page_size + i % page_size, -1)
-    rows, live = latent_rows(v2p, loc, layer, layer_num, page_size)
-    out = typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim)[rows]
+    rows, live = latent_rows(v2p, loc, g.layer, g.layer_num, page_size)
+    out = typed_rows(arena, kv_dtype, g.row_width)[rows]
     return torch.where(live[..., None], out, torch.zeros((), dtype=kv_dtype, device=arena.device)).contiguous()
 
 
@@ -120,8 +123,7 @@ def _mla_gather_kernel(
 
 def mla_gather_triton(
     arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-    out_offset: torch.Tensor, max_len: int, layer: int, layer_num: int, page_size: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, kv_dtype: torch.dtype, *, block_n: int | None = None,
+    out_offset: torch.Tensor, max_len: int, *geometry, block_n: int | None = None,
 ) -> torch.Tensor:
     """Gather one layer's latent history with one Triton launch (the CUDA kernel of ``unimem::mla_gather``).
 
@@ -132,7 +134,7 @@ def mla_gather_triton(
         kv_len: int32 ``[B]``, tokens stored per row.
         out_offset: int32 ``[B]``, position of each row's first token (its number of left pads).
         max_len: positions per row of the result.
-        layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G.
+        *geometry: the six values of :class:`~.geometry.MLAGeometry`, the geometry G.
         block_n: output positions per program (a power of two); default 16 (fewer when a kv_nope row
             exceeds 1 KiB, e.g. 8 for fp32 at R = 512).
 
@@ -147,10 +149,11 @@ def mla_gather_triton(
         kv_len needing more than P pages, a -1 page inside kv_len or a page that is not live.
     """
     op = "mla_gather"
-    _check(op, arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size, kv_lora_rank,
-           qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(*geometry)
+    _check(op, arena, v2p, page_table, kv_len, out_offset, max_len, g)
     check_kernel_device(op, arena.device)
-    d = kv_lora_rank + qk_rope_head_dim
+    layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype = g.args()
+    d = g.row_width
     b = page_table.shape[0]
     out = torch.empty((b, max_len, d), dtype=kv_dtype, device=arena.device)
     if out.numel() == 0:
@@ -182,21 +185,18 @@ def mla_gather(
     (virtual page ``page_table[b, i // ps]``) at position ``out_offset[b] + i``, zeros elsewhere. See
     :func:`mla_gather_triton` for every argument and the errors. The default implementation is the
     plain-torch reference; CUDA tensors run the Triton kernel."""
-    _check("mla_gather", arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size,
-           kv_lora_rank, qk_rope_head_dim, kv_dtype)
-    return mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size,
-                                kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    _check("mla_gather", arena, v2p, page_table, kv_len, out_offset, max_len, g)
+    return mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, *g.args())
 
 
 @mla_gather.register_kernel("cuda")
-def _(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
-    return mla_gather_triton(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size,
-                             kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _(arena, v2p, page_table, kv_len, out_offset, max_len, *geometry):
+    return mla_gather_triton(arena, v2p, page_table, kv_len, out_offset, max_len, *geometry)
 
 
 @mla_gather.register_fake
-def _(arena, v2p, page_table, kv_len, out_offset, max_len, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
+def _(arena, v2p, page_table, kv_len, out_offset, max_len, *geometry):
     check_same_device("mla_gather", arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len, out_offset=out_offset)
-    return arena.new_empty((page_table.shape[0], max_len, kv_lora_rank + qk_rope_head_dim), dtype=kv_dtype)
+    g = MLAGeometry(*geometry)
+    return arena.new_empty((page_table.shape[0], max_len, g.row_width), dtype=g.kv_dtype)

@@ -1,7 +1,7 @@
 """Ops ``unimem::mla_kv_write`` and ``unimem::mla_kv_write_rmsnorm``: the fused MLA latent KV write.
 
 One launch per call writes ``T`` tokens' latent rows ``[kv_nope | k_rope]`` (``D = R + Dr`` values of
-``kv_dtype``) of one MLA layer into the uint8 arena. The virtual -> dense translation of DESIGN.md
+``kv_dtype``) of one MLA layer into the uint8 arena. The virtual -> dense translation of docs/design.md
 section 3 happens inside the kernel (no index tensor is materialised)::
 
     row = v2p[t // ps] * ps * L + layer * ps + t % ps        (D-wide rows of kv_dtype from byte 0)
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_compile import env
 from unimem_compile.errors import GeometryError
 from unimem_compile.pool import translate as ref
 
@@ -31,10 +32,9 @@ from .common import (
     check_mla_geometry,
     check_same_device,
     check_tensor,
-    debug_checks,
-    interpreting,
     overlaps_arena,
 )
+from .geometry import MLAGeometry
 
 __all__ = [
     "mla_kv_write",
@@ -80,13 +80,13 @@ def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int
 
 
 def check_kernel_device(op: str, device: torch.device) -> None:
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not env.triton_interpret():
         raise ValueError(f"{op}: the Triton launcher needs CUDA tensors or TRITON_INTERPRET=1, got {device}")
 
 
-def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size,
-                 kv_lora_rank, qk_rope_head_dim, kv_dtype) -> None:
-    check_mla_geometry(op, arena, v2p, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g: MLAGeometry) -> None:
+    check_mla_geometry(op, arena, v2p, g)
+    kv_lora_rank, qk_rope_head_dim = g.kv_lora_rank, g.qk_rope_head_dim
     check_tensor(op, "virt_loc", virt_loc, dtype=torch.int64, dim=1)
     t = virt_loc.shape[0]
     nope_name = "kv_nope" if norm_weight is None else "kv_nope_unnormed"
@@ -101,8 +101,8 @@ def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, la
             raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
     check_same_device(op, arena=arena, v2p=v2p, virt_loc=virt_loc, **{nope_name: kv_nope}, k_rope=k_rope,
                       norm_weight=norm_weight)
-    if debug_checks():
-        check_live_locations(op, v2p, virt_loc, page_size)
+    if env.debug():
+        check_live_locations(op, v2p, virt_loc, g.page_size)
 
 
 # ---------------------------------------------------------------------------- references
@@ -118,13 +118,14 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
-                           qk_rope_head_dim, kv_dtype) -> None:
-    """Plain-torch :func:`mla_kv_write` (arguments as there; no checks). Duplicate live locations in one
-    call leave one of their rows, unspecified which (as in the kernel)."""
-    rows, live = latent_rows(v2p, virt_loc, layer, layer_num, page_size)
-    values = torch.cat([kv_nope.to(kv_dtype), k_rope.to(kv_dtype)], dim=-1)
-    typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim)[rows[live]] = values[live]
+def mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, *geometry) -> None:
+    """Plain-torch :func:`mla_kv_write` (arguments as there, ``geometry`` the six values of
+    :class:`~.geometry.MLAGeometry`; no checks). Duplicate live locations in one call leave one of their
+    rows, unspecified which (as in the kernel)."""
+    g = MLAGeometry(*geometry)
+    rows, live = latent_rows(v2p, virt_loc, g.layer, g.layer_num, g.page_size)
+    values = torch.cat([kv_nope.to(g.kv_dtype), k_rope.to(g.kv_dtype)], dim=-1)
+    typed_rows(arena, g.kv_dtype, g.row_width)[rows[live]] = values[live]
 
 
 # ---------------------------------------------------------------------------- kernel
@@ -178,10 +179,8 @@ def _block_t(t: int) -> int:
     return 1 << min(3, max(0, (t // 256).bit_length() - 1))
 
 
-def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
-            qk_rope_head_dim, kv_dtype, block_t):
-    _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, layer_num, page_size,
-                 kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g: MLAGeometry, block_t):
+    _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g)
     check_kernel_device(op, arena.device)
     t = virt_loc.shape[0]
     if t == 0:
@@ -194,14 +193,15 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, 
     # first, which gives the reference's semantics (every input read before anything is stored).
     kv_nope, k_rope, norm_weight = (
         x.clone() if x is not None and overlaps_arena(x, arena) else x for x in (kv_nope, k_rope, norm_weight))
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype = g.args()
+    itemsize = kv_dtype.itemsize
     r_p2 = triton.next_power_of_2(kv_lora_rank)
     # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps
     warps = max(1, min(4, bt * r_p2 * itemsize // 512))
     norm = norm_weight is not None
     prod = torch.promote_types(norm_weight.dtype, kv_nope.dtype) if norm else kv_nope.dtype
     _mla_kv_write_kernel[(triton.cdiv(t, bt),)](
-        typed_rows(arena, kv_dtype, kv_lora_rank + qk_rope_head_dim), v2p, virt_loc.contiguous(), kv_nope, k_rope,
+        typed_rows(arena, kv_dtype, g.row_width), v2p, virt_loc.contiguous(), kv_nope, k_rope,
         norm_weight if norm else kv_nope,
         t, v2p.numel(), layer, layer_num, page_size, kv_nope.stride(0), k_rope.stride(0), float(eps),
         R=kv_lora_rank, DR=qk_rope_head_dim, R_P2=r_p2, DR_P2=triton.next_power_of_2(qk_rope_head_dim),
@@ -212,8 +212,7 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, layer, 
 
 def mla_kv_write_triton(
     arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope: torch.Tensor, k_rope: torch.Tensor,
-    layer: int, layer_num: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype,
-    *, block_t: int | None = None,
+    *geometry, block_t: int | None = None,
 ) -> None:
     """Write latent rows into the arena with one Triton launch (the CUDA kernel of ``unimem::mla_kv_write``).
 
@@ -224,8 +223,9 @@ def mla_kv_write_triton(
         kv_nope: ``[T, R]`` bf16/fp16/fp32, last-dimension stride 1, any row stride (a slice of a wider
             tensor is read in place, never copied).
         k_rope: ``[T, Dr]``, same rules; its dtype may differ from ``kv_nope``'s.
-        layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G (DESIGN.md
-            section 4); values are cast to ``kv_dtype`` at the store (round to nearest even).
+        *geometry: the six values of :class:`~.geometry.MLAGeometry` (layer, layer_num, page_size,
+            kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G of docs/design.md section 4); values are
+            cast to ``kv_dtype`` at the store (round to nearest even).
         block_t: tokens per program (a power of two); default chosen from T.
 
     Lanes write nothing when the location is < 0, past the table, tombstoned or on a physical page <= 0.
@@ -239,14 +239,12 @@ def mla_kv_write_triton(
         the arena; under ``UNIMEM_DEBUG=1`` also for a location >= 0 that is not on a live page.
         ValueError: tensors on different devices, or CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _launch("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, layer, layer_num, page_size,
-            kv_lora_rank, qk_rope_head_dim, kv_dtype, block_t)
+    _launch("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, MLAGeometry(*geometry), block_t)
 
 
 def mla_kv_write_rmsnorm_triton(
     arena: torch.Tensor, v2p: torch.Tensor, virt_loc: torch.Tensor, kv_nope_unnormed: torch.Tensor,
-    k_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float, layer: int, layer_num: int, page_size: int,
-    kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype, *, block_t: int | None = None,
+    k_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float, *geometry, block_t: int | None = None,
 ) -> None:
     """:func:`mla_kv_write_triton` of ``rmsnorm_reference(kv_nope_unnormed, norm_weight, eps)``, in one launch.
 
@@ -256,8 +254,8 @@ def mla_kv_write_rmsnorm_triton(
     eager module in the last bit of the fp32 statistics (sum order), rarely visible after rounding.
     Errors as :func:`mla_kv_write_triton`, plus ValueError for a negative eps.
     """
-    _launch("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer,
-            layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype, block_t)
+    _launch("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps,
+            MLAGeometry(*geometry), block_t)
 
 
 # ---------------------------------------------------------------------------- declarations
@@ -270,20 +268,18 @@ def mla_kv_write(
     ``virt_loc`` (int64 ``[T]``) into the uint8 ``arena``, cast to ``kv_dtype``. See
     :func:`mla_kv_write_triton` for every argument, the masking rules and the errors. The default
     implementation is the plain-torch reference; CUDA tensors run the Triton kernel."""
-    _check_write("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, layer, layer_num, page_size,
-                 kv_lora_rank, qk_rope_head_dim, kv_dtype)
-    mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
-                           qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    _check_write("mla_kv_write", arena, v2p, virt_loc, kv_nope, k_rope, None, 0.0, g)
+    mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, *g.args())
 
 
 @mla_kv_write.register_kernel("cuda")
-def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
-    mla_kv_write_triton(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank,
-                        qk_rope_head_dim, kv_dtype)
+def _(arena, v2p, virt_loc, kv_nope, k_rope, *geometry):
+    mla_kv_write_triton(arena, v2p, virt_loc, kv_nope, k_rope, *geometry)
 
 
 @mla_kv_write.register_fake
-def _(arena, v2p, virt_loc, kv_nope, k_rope, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+def _(arena, v2p, virt_loc, kv_nope, k_rope, *geometry):
     check_same_device("mla_kv_write", arena=arena, v2p=v2p, virt_loc=virt_loc, kv_nope=kv_nope, k_rope=k_rope)
     return None
 
@@ -296,22 +292,19 @@ def mla_kv_write_rmsnorm(
 ) -> None:
     """:func:`mla_kv_write` of ``rmsnorm_reference(kv_nope_unnormed, norm_weight, eps)`` (the model's
     ``kv_a_layernorm``), fused into the write. See :func:`mla_kv_write_rmsnorm_triton`."""
-    _check_write("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer,
-                 layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    _check_write("mla_kv_write_rmsnorm", arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, g)
     mla_kv_write_reference(arena, v2p, virt_loc, rmsnorm_reference(kv_nope_unnormed, norm_weight, eps), k_rope,
-                           layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+                           *g.args())
 
 
 @mla_kv_write_rmsnorm.register_kernel("cuda")
-def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
-    mla_kv_write_rmsnorm_triton(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num,
-                                page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, *geometry):
+    mla_kv_write_rmsnorm_triton(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, *geometry)
 
 
 @mla_kv_write_rmsnorm.register_fake
-def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, layer, layer_num, page_size, kv_lora_rank,
-      qk_rope_head_dim, kv_dtype):
+def _(arena, v2p, virt_loc, kv_nope_unnormed, k_rope, norm_weight, eps, *geometry):
     check_same_device("mla_kv_write_rmsnorm", arena=arena, v2p=v2p, virt_loc=virt_loc,
                       kv_nope_unnormed=kv_nope_unnormed, k_rope=k_rope, norm_weight=norm_weight)
     return None

@@ -1,6 +1,6 @@
 """Ops ``unimem::state_gather`` and ``unimem::state_scatter``: one section of every addressed state slot.
 
-A state slot holds, per linear-attention layer, a conv section and a recurrent section (DESIGN.md
+A state slot holds, per linear-attention layer, a conv section and a recurrent section (docs/design.md
 section 3). A *section* is ``shape`` elements of ``dtype`` at byte ``byte_offset`` inside the slot; virtual
 slot ``s`` lives at physical slot ``s_v2p[s]``, i.e. at arena byte ``s_v2p[s] * slot_bytes + byte_offset``.
 The pitch ``slot_bytes`` is the laid-out slot size, not the section size: every address is computed from
@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_live_slots, check_same_device, check_slot_geometry, check_tensor, debug_checks
+from unimem_compile import env
+
+from .common import check_live_slots, check_same_device, check_slot_geometry, check_tensor, declare_slot_footprint
 
 __all__ = [
     "state_gather",
@@ -45,7 +47,7 @@ def check_slot_ids(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor, batch: 
     check_tensor(op, "slot_ids", slot_ids, dtype=torch.int64, dim=1)
     if batch is not None and slot_ids.shape[0] != batch:
         raise ValueError(f"{op}: slot_ids has {slot_ids.shape[0]} lanes but the inputs have batch {batch}")
-    if debug_checks():
+    if env.debug():
         check_live_slots(op, s_v2p, slot_ids)
         live = slot_ids[slot_ids >= 0]
         uniq, counts = torch.unique(live, return_counts=True)
@@ -241,6 +243,10 @@ def _(arena, s_v2p, slot_ids, byte_offset, slot_bytes, shape, dtype):
     return arena.new_empty((slot_ids.shape[0], *shape), dtype=dtype)
 
 
+declare_slot_footprint("unimem::state_gather", offset="byte_offset",
+                       nbytes=lambda a: math.prod(a["shape"]) * a["dtype"].itemsize)
+
+
 @torch.library.custom_op("unimem::state_scatter", mutates_args=("arena",))
 def state_scatter(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, value: torch.Tensor,
                   byte_offset: int, slot_bytes: int) -> None:
@@ -263,3 +269,11 @@ def _(arena, s_v2p, slot_ids, value, byte_offset, slot_bytes):
 def _(arena, s_v2p, slot_ids, value, byte_offset, slot_bytes):
     check_same_device("state_scatter", arena=arena, s_v2p=s_v2p, slot_ids=slot_ids, value=value)
     return None
+
+
+def _scattered_bytes(a) -> int | None:
+    value = a["value"]  # [B, *section shape]
+    return None if value is None else math.prod(value.shape[1:]) * value.element_size()
+
+
+declare_slot_footprint("unimem::state_scatter", offset="byte_offset", nbytes=_scattered_bytes)

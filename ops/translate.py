@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from unimem_compile import env
 from unimem_compile.pool import translate as ref
 
-from .common import check_live_locations, check_same_device, check_tensor, debug_checks
+from .common import check_live_locations, check_same_device, check_tensor
 
 __all__ = [
     "translate_kv_loc",
@@ -50,7 +51,7 @@ def _check(op: str, v2p: torch.Tensor, virt: torch.Tensor, page_size: int, multi
     check_same_device(op, v2p=v2p, virt=virt, out=out)
     if page_size <= 0 or multiplier <= 0:
         raise ValueError(f"{op}: page_size ({page_size}) and kernel_page_multiplier ({multiplier}) must be positive")
-    if debug_checks():
+    if env.debug():
         check_live_locations(op, v2p, virt, page_size)
 
 

@@ -1,4 +1,4 @@
-"""Graph rewrites of unimem-compile (DESIGN.md section 7), applied by a wrapper backend.
+"""Graph rewrites of unimem-compile (docs/design.md section 7), applied by a wrapper backend.
 
 Import as ``unimem_compile.passes``. ``make_pass_manager(passes)`` builds the manager
 ``unimem_compile.compile`` uses; :func:`all_rewrites` lists one instance of every rewrite, in the FROZEN
@@ -12,13 +12,12 @@ from collections.abc import Collection
 from .common import Refused, Rewrite
 from .conv_state_inplace import ConvStateInplace
 from .kda_state_inplace import KDAStateInplace
-from .manager import DUMP_ENV, REWRITE_NAMES, GraphRecord, PassManager, dump_dir
+from .manager import REWRITE_NAMES, GraphRecord, PassManager, dump_dir
 from .mla_absorb import MLAAbsorb
 from .mla_write_fusion import MLAWriteFusion
 
 __all__ = [
     "REWRITE_NAMES",
-    "DUMP_ENV",
     "PassManager",
     "GraphRecord",
     "Rewrite",

@@ -1,6 +1,6 @@
 """What every rewrite shares: the :class:`Rewrite` base class and helpers that match Dynamo-level nodes.
 
-The graphs rewritten here are the ones Dynamo hands to a backend (DESIGN.md section 7): torch functions
+The graphs rewritten here are the ones Dynamo hands to a backend (docs/design.md section 7): torch functions
 and Tensor methods, one node per call, SDPA as one node, parameters as placeholders, and the unimem op
 calls as unambiguous anchors. Every node carries ``meta["example_value"]`` (a fake tensor) and
 ``meta["nn_module_stack"]``. Rewrites match on structure and on those shapes, never on node names or
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import math
 import operator
 import re
 from collections.abc import Iterable, Sequence
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule, Node
+
+from unimem_compile.ops.common import KERNEL_KV_DTYPES, SLOT_ARGUMENTS, SLOT_FOOTPRINTS
 
 __all__ = [
     "log",
@@ -40,6 +41,8 @@ __all__ = [
     "is_method",
     "is_op",
     "argument",
+    "op_schema",
+    "op_arguments",
     "only_user",
     "last_dim_slice",
     "split_item",
@@ -98,7 +101,7 @@ class Rewrite(CustomGraphPass):
     this module, the subclass's module and :meth:`settings` for Inductor's compile cache.
 
     Attributes:
-        name: the FROZEN rewrite name (DESIGN.md section 5).
+        name: the FROZEN rewrite name (docs/design.md section 5).
         count: replacements made by the last call; ``refusals``: the reasons of the last call.
     """
 
@@ -204,6 +207,30 @@ def argument(node: Node, index: int, name: str, default: Any = _MISSING) -> Any:
     if default is _MISSING:
         raise Refused(f"{describe(node)} has no argument {name!r}")
     return default
+
+
+def op_schema(node: Any) -> torch.FunctionSchema | None:
+    """The schema of the torch op ``node`` calls (an OpOverload, or a packet's default overload), else None."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    return target._schema if isinstance(target, torch._ops.OpOverload) else None
+
+
+def op_arguments(node: Node) -> dict[str, Any]:
+    """The arguments of an op node bound to its schema by name, whether the call passed them by position or
+    by keyword; an argument the call leaves out is its schema default (None when it has none).
+
+    Raises:
+        Refused: ``node`` does not call a torch op.
+    """
+    schema = op_schema(node)
+    if schema is None:
+        raise Refused(f"{describe(node)} is not a call of a torch op")
+    return {a.name: argument(node, i, a.name, a.default_value if a.has_default_value() else None)
+            for i, a in enumerate(schema.arguments)}
 
 
 def only_user(node: Node) -> Node | None:
@@ -386,7 +413,7 @@ def erase_matched(graph: Graph, nodes: Iterable[Node], optional: Iterable[Node] 
 # ------------------------------------------------------------------------------------------ state rewrites
 # Used by kda_state_inplace and conv_state_inplace, whose patterns are transformers' plain-torch math: a
 # function and the method of the same name are one operation there (``torch.exp(x)`` and ``x.exp()``),
-# and the unimem state ops are described by the bytes of each slot they touch.
+# and the unimem state ops are described by the bytes of each slot they touch (their declared footprints).
 
 _OPERATOR_NAMES = {
     operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.truediv: "div",
@@ -487,24 +514,16 @@ def strip_upcast(node: Any, skipped: list | None = None) -> Any:
     cast = cast_of(node)
     if cast is not None and cast[1] == torch.float32:
         src = tensor_value(cast[0])
-        if src is not None and src.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if src is not None and src.dtype in KERNEL_KV_DTYPES:
             if skipped is not None:
                 skipped.append(node)
             return strip_noops(cast[0], skipped=skipped)
     return node
 
 
-#: the arguments that address the arena, per unimem state op
-_STATE_OPS = {
-    "unimem.state_gather": ("arena", "s_v2p", "slot_ids", "byte_offset", "slot_bytes"),
-    "unimem.state_scatter": ("arena", "s_v2p", "slot_ids", "byte_offset", "slot_bytes"),
-    "unimem.causal_conv1d_update": ("arena", "s_v2p", "slot_ids", "conv_offset", "slot_bytes"),
-    "unimem.kda_decode": ("arena", "s_v2p", "slot_ids", "state_offset", "slot_bytes"),
-}
-
-
 class StateAccess:
-    """How a unimem state op node addresses the arena, and which bytes of each slot it touches.
+    """How a unimem state op node addresses the arena, and which bytes of each slot it touches (the op's
+    declared :class:`~unimem_compile.ops.common.SlotFootprint`).
 
     Attributes:
         node: the op's node. arena, s_v2p, slot_ids: its argument nodes.
@@ -513,27 +532,12 @@ class StateAccess:
     """
 
     def __init__(self, node: Node):
-        target = node.target
-        schema = target._schema if isinstance(target, torch._ops.OpOverload) else target.default._schema
-        bound = {a.name: argument(node, i, a.name, a.default_value if a.has_default_value() else None)
-                 for i, a in enumerate(schema.arguments)}
-        name = op_name(node)
+        footprint = SLOT_FOOTPRINTS[op_schema(node).name]
+        bound = op_arguments(node)
         self.node = node
-        self.arena, self.s_v2p, self.slot_ids, self.offset, self.slot_bytes = (bound[p] for p in _STATE_OPS[name])
-        self.nbytes = self._nbytes(name, bound)
-
-    @staticmethod
-    def _nbytes(name: str, bound: dict) -> int | None:
-        if name == "unimem.state_gather":
-            return math.prod(bound["shape"]) * torch.empty((), dtype=bound["dtype"]).element_size()
-        if name == "unimem.state_scatter":
-            v = tensor_value(bound["value"])
-            return None if v is None else v[0].numel() * v.element_size()
-        if name == "unimem.causal_conv1d_update":
-            x, w = tensor_value(bound["x"]), tensor_value(bound["weight"])
-            return None if x is None or w is None else x.shape[1] * w.shape[1] * x.element_size()
-        q, v = tensor_value(bound["q"]), tensor_value(bound["v"])
-        return None if q is None or v is None else q.shape[1] * q.shape[2] * v.shape[2] * 4
+        self.arena, self.s_v2p, self.slot_ids, self.slot_bytes = (bound[name] for name in SLOT_ARGUMENTS)
+        self.offset = bound[footprint.offset]
+        self.nbytes = footprint.nbytes({k: tensor_value(v) if isinstance(v, Node) else v for k, v in bound.items()})
 
     def same_slots(self, other: StateAccess) -> bool:
         """Both address the same slots of the same arena (same argument nodes and pitch)."""
@@ -549,7 +553,8 @@ class StateAccess:
 
 def state_access(node: Any) -> StateAccess | None:
     """The :class:`StateAccess` of a unimem state op node whose offset and pitch are constants, else None."""
-    if op_name(node) not in _STATE_OPS:
+    schema = op_schema(node)
+    if schema is None or schema.name not in SLOT_FOOTPRINTS:
         return None
     access = StateAccess(node)
     if not isinstance(access.offset, int) or not isinstance(access.slot_bytes, int):

@@ -39,6 +39,7 @@ from .common import (
     insert_call,
     is_op,
     only_user,
+    op_arguments,
     op_name,
     state_access,
     tensor_value,
@@ -60,7 +61,7 @@ def _last_columns(node: Node, src: Node, length: int, count: int) -> bool:
 
 
 class ConvStateInplace(Rewrite):
-    """The ``conv_state_inplace`` rewrite (DESIGN.md section 7); sites are ``[B, C, K]`` state gathers."""
+    """The ``conv_state_inplace`` rewrite (docs/passes.md); sites are ``[B, C, K]`` state gathers."""
 
     name = "conv_state_inplace"
 
@@ -133,7 +134,7 @@ class ConvStateInplace(Rewrite):
 
         written = state_access(scatter)
         if (written is None or not written.same_slots(access) or written.offset != access.offset
-                or argument(scatter, 3, "value") is not gather):
+                or op_arguments(scatter)["value"] is not gather):
             raise Refused("the write-back goes to other slots or another offset")
         check_closed(matched, exits=[result])
         conflict = first_conflict(access, gather, scatter if result < scatter else result, matched)

@@ -34,6 +34,7 @@ import torch
 from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
+from unimem_compile.ops.common import KERNEL_KV_DTYPES
 
 from .common import (
     Refused,
@@ -45,6 +46,7 @@ from .common import (
     insert_call,
     is_op,
     is_noop_cast,
+    op_arguments,
     op_name,
     state_access,
     strip_noops,
@@ -58,7 +60,6 @@ __all__ = ["KDAStateInplace"]
 
 #: the epsilon of ``unimem::kda_decode``'s L2 norm (and of transformers' and fla's)
 L2NORM_EPS = 1e-6
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _operands(node, name: str) -> tuple | None:
@@ -140,7 +141,7 @@ def _query_side(node) -> tuple[Node | None, float, bool, list[Node]]:
 
 
 class KDAStateInplace(Rewrite):
-    """The ``kda_state_inplace`` rewrite (DESIGN.md section 7); sites are ``[B, H, K, V]`` fp32 state gathers."""
+    """The ``kda_state_inplace`` rewrite (docs/passes.md); sites are ``[B, H, K, V]`` fp32 state gathers."""
 
     name = "kda_state_inplace"
 
@@ -220,7 +221,7 @@ class KDAStateInplace(Rewrite):
         while is_noop_cast(scatter) and len(scatter.users) == 1:
             state.append(scatter)
             last, scatter = scatter, next(iter(scatter.users))
-        if not is_op(scatter, torch.ops.unimem.state_scatter) or argument(scatter, 3, "value") is not last:
+        if not is_op(scatter, torch.ops.unimem.state_scatter) or op_arguments(scatter)["value"] is not last:
             raise Refused("the new state is not written back by state_scatter")
         written = state_access(scatter)
         if written is None or not written.same_slots(access) or written.offset != access.offset:
@@ -261,7 +262,7 @@ class KDAStateInplace(Rewrite):
                     "g": (g, (batch, 1, heads, dk)), "beta": (beta, (batch, 1, heads))}
         for label, (node, shape) in expected.items():
             val = tensor_value(node)
-            if val is None or tuple(val.shape) != shape or val.dtype not in _FLOATS:
+            if val is None or tuple(val.shape) != shape or val.dtype not in KERNEL_KV_DTYPES:
                 raise Refused(f"{label} is not a float [{', '.join(map(str, shape))}] tensor")
         if tensor_value(g).dtype != torch.float32 or tensor_value(last).dtype != torch.float32:
             raise Refused("g or the written-back state is not fp32")

@@ -4,7 +4,7 @@
 :meth:`PassManager.apply` first (the Dynamo-level torch graph: SDPA is one node, the unimem op nodes are
 unambiguous anchors) and then to the inner backend. This works for every inner backend (``aot_eager``
 silently ignores passes given through ``options=``) and runs before any compile-cache lookup on torch
-2.11 and 2.13 alike, so the per-rewrite counts are honest with a warm cache (DESIGN.md sections 5, 7).
+2.11 and 2.13 alike, so the per-rewrite counts are honest with a warm cache (docs/design.md sections 5, 7).
 The manager belongs to one model (``unimem_compile.compile`` makes one per call): its rewrites touch
 that model's graphs and recompiles only.
 
@@ -34,17 +34,16 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from unimem_compile import env
+
 from . import common
 
-__all__ = ["REWRITE_NAMES", "DUMP_ENV", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir"]
+__all__ = ["REWRITE_NAMES", "enabled_names", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir"]
 
 log = logging.getLogger("unimem_compile.passes")
 
 #: FROZEN rewrite names, in the order they run.
 REWRITE_NAMES = ("mla_write_fusion", "mla_absorb", "kda_state_inplace", "conv_state_inplace")
-
-#: Environment variable naming the folder where every graph is written before and after the rewrites.
-DUMP_ENV = "UNIMEM_DUMP_GRAPHS"
 
 # numbers dumped graphs across every manager of the process, so two models never overwrite each other
 _dump_serial = itertools.count(1)
@@ -52,7 +51,7 @@ _dump_serial = itertools.count(1)
 
 def dump_dir() -> Path | None:
     """Folder given by ``UNIMEM_DUMP_GRAPHS``: each graph is written there before and after the rewrites."""
-    value = os.environ.get(DUMP_ENV)
+    value = env.dump_graphs()
     return Path(value) if value else None
 
 
@@ -71,8 +70,35 @@ def check_dump_dir() -> Path | None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise OSError(f"{DUMP_ENV}={str(folder)!r}: cannot write graph dumps there ({type(e).__name__}: {e})") from e
+        raise OSError(f"{env.DUMP_GRAPHS}={str(folder)!r}: cannot write graph dumps there "
+                      f"({type(e).__name__}: {e})") from e
     return folder
+
+
+def enabled_names(enabled: bool | Collection[str], known: Collection[str]) -> frozenset[str]:
+    """The rewrite names ``enabled`` selects among ``known``: True = all, False = none, or a name or a
+    collection of names (compile's ``passes=``).
+
+    Raises:
+        ValueError: a name not in ``known``.
+        TypeError: ``enabled`` is none of those forms (a mapping included: its keys would silently count).
+    """
+    if enabled is True:
+        return frozenset(known)
+    if enabled is False:
+        return frozenset()
+    if isinstance(enabled, Mapping):  # {name: flag} would otherwise count as the collection of its keys
+        raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
+                        f"names, not a mapping (got {dict(enabled)!r}); pass the names to run, e.g. "
+                        f"{sorted(k for k, v in enabled.items() if v)!r}")
+    if isinstance(enabled, Collection):  # a str is one too: a single name
+        names = frozenset({enabled} if isinstance(enabled, str) else enabled)
+        unknown = names - set(known)
+        if unknown:
+            raise ValueError(f"unknown rewrite(s) {sorted(unknown)}; known: {sorted(known)}")
+        return names
+    raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
+                    f"names, got {enabled!r}")
 
 
 @dataclasses.dataclass
@@ -112,25 +138,9 @@ class PassManager(CustomGraphPass):
 
     def __init__(self, rewrites: Sequence[Callable] = (), enabled: bool | Collection[str] = True,
                  keep_graphs: bool = False):
-        known = {r.name for r in rewrites}
-        if enabled is True:
-            names = set(known)
-        elif enabled is False:
-            names = set()
-        elif isinstance(enabled, Mapping):  # {name: flag} would otherwise count as the collection of its keys
-            raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
-                            f"names, not a mapping (got {dict(enabled)!r}); pass the names to run, e.g. "
-                            f"{sorted(k for k, v in enabled.items() if v)!r}")
-        elif isinstance(enabled, Collection):  # a str is one too: a single name
-            names = {enabled} if isinstance(enabled, str) else set(enabled)
-            unknown = names - known
-            if unknown:
-                raise ValueError(f"unknown rewrite(s) {sorted(unknown)}; known: {sorted(known)}")
-        else:
-            raise TypeError(f"enabled (compile's passes=) must be True, False, a rewrite name or a collection of "
-                            f"names, got {enabled!r}")
+        names = enabled_names(enabled, [r.name for r in rewrites])
         self.rewrites = [r for r in rewrites if r.name in names]
-        self.enabled = frozenset(names)
+        self.enabled = names
         self.counts = {name: 0 for name in REWRITE_NAMES} | {r.name: 0 for r in rewrites}
         self.graphs = 0
         self.keep_graphs = keep_graphs

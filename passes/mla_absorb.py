@@ -1,10 +1,10 @@
-"""Rewrite ``mla_absorb``: MLA decode on the latent pages with absorbed weights (DESIGN.md section 7).
+"""Rewrite ``mla_absorb``: MLA decode on the latent pages with absorbed weights (docs/passes.md).
 
 Before: one query token per row; the cache gathers the whole latent history and transformers' MLA
 (``KimiLinearAttention``, ``DeepseekV3Attention``, ``DeepseekV2Attention``) expands it through
 ``kv_b_proj`` every step::
 
-    full = torch.ops.unimem.mla_gather(arena, v2p, page_table, kv_len, out_offset, T, *G).to(dtype)
+    full = torch.ops.unimem.mla_gather(arena, v2p, page_table, kv_len, out_offset, T, *G).to(dtype)  # G: MLAGeometry
     latent, k_rot = full[:, None, :, :R], full[:, None, :, R:]            # [B, 1, T, R], [B, 1, T, Dr]
     kv = F.linear(latent, W).view(B, T, H, dn + dv).transpose(1, 2)         # W = kv_b_proj.weight
     k_nope, v = kv.split([dn, dv], -1)
@@ -44,6 +44,7 @@ from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.geometry import MLAGeometry
 
 from .common import (
     Refused,
@@ -60,6 +61,7 @@ from .common import (
     is_op,
     last_dim_slice,
     only_user,
+    op_arguments,
     split_item,
     strip,
     value,
@@ -236,6 +238,8 @@ def _attention(consumer: Node) -> _Attention:
 @dataclasses.dataclass
 class _Site:
     gather: Node
+    arguments: dict  # the gather's arguments by schema name
+    geometry: MLAGeometry
     weight: Node
     heads: int
     nope: int  # dn
@@ -291,9 +295,9 @@ def _query_parts(q: Node, nope: int, rope: int) -> tuple[Node | tuple[Node, slic
 
 
 def _match(gather: Node) -> _Site:
-    if len(gather.args) != 12 or gather.kwargs:
-        raise Refused("mla_gather is called with keyword arguments")
-    max_len, rank, rope = gather.args[5], gather.args[9], gather.args[10]
+    arguments = op_arguments(gather)
+    geometry = MLAGeometry.from_arguments(arguments)
+    max_len, rank, rope = arguments["max_len"], geometry.kv_lora_rank, geometry.qk_rope_head_dim
     full = gather
     cast = only_user(gather)
     if cast is not None and cast_of(cast) is not None:
@@ -381,7 +385,8 @@ def _match(gather: Node) -> _Site:
     matched = [*att.nodes, *key_nodes, *expands, split, k_nope, v, transpose, view, linear, latent, k_rot_full,
                gather] + ([full] if full is not gather else [])
     check_closed(matched, exits=[att.out])
-    return _Site(gather, weight, heads, nope, v_dim, rank, rope, q_nope, q_rope, att, matched, q_nodes)
+    return _Site(gather, arguments, geometry, weight, heads, nope, v_dim, rank, rope, q_nope, q_rope, att, matched,
+                 q_nodes)
 
 
 class MLAAbsorb(Rewrite):
@@ -397,8 +402,7 @@ class MLAAbsorb(Rewrite):
 
     def replace(self, graph: Graph, site: _Site) -> None:
         att = site.att
-        arena, v2p, page_table, kv_len = site.gather.args[:4]
-        geometry = site.gather.args[6:]
+        arena, v2p, page_table, kv_len = (site.arguments[name] for name in ("arena", "v2p", "page_table", "kv_len"))
         like = att.out
 
         def call(target, *args, method=False):
@@ -420,7 +424,7 @@ class MLAAbsorb(Rewrite):
             q_lat = call("transpose", call(torch.bmm, q_heads, w_uk), 0, 1, method=True)
             q_rot = call("squeeze", q_rope, 2, method=True)
             o_lat = call(torch.ops.unimem.mla_decode, q_lat, q_rot, arena, v2p, page_table, kv_len, att.scale,
-                         *geometry)
+                         *site.geometry.args())
             o_heads = call(torch.bmm, call("transpose", o_lat, 0, 1, method=True),
                            call("transpose", w_uv, 1, 2, method=True))
             out = call("unsqueeze", call("transpose", o_heads, 0, 1, method=True), 2, method=True)

@@ -1,5 +1,5 @@
 """Rewrite ``mla_write_fusion``: the ``kv_a_layernorm`` RMSNorm feeding ``mla_kv_write`` -> one
-``mla_kv_write_rmsnorm`` (the norm computed inside the write kernel, DESIGN.md section 7).
+``mla_kv_write_rmsnorm`` (the norm computed inside the write kernel, docs/passes.md).
 
 Before: transformers' ``KimiLinearRMSNorm`` / ``DeepseekV3RMSNorm`` (``DeepseekV2RMSNorm``) as Dynamo
 records it, whose output reaches the cache's write only through views::
@@ -8,6 +8,7 @@ records it, whose output reaches the cache's write only through views::
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     kv_nope = weight * y
     torch.ops.unimem.mla_kv_write(arena, v2p, loc, kv_nope.view(B, 1, S, R).reshape(B * S, R), k_rope, *G)
+                                                                # G: the six values of an MLAGeometry
 
 After (the norm's statistics and the weight multiply happen in the write kernel, with the same fp32
 accumulation and the same roundings; :func:`unimem_compile.ops.mla_write.rmsnorm_reference`)::
@@ -27,6 +28,7 @@ import torch
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.geometry import MLAGeometry
 
 from .common import (
     VIEW_METHODS,
@@ -42,6 +44,7 @@ from .common import (
     is_function,
     is_method,
     is_op,
+    op_arguments,
     value,
 )
 
@@ -112,9 +115,8 @@ class MLAWriteFusion(Rewrite):
         return [n for n in graph.nodes if is_op(n, torch.ops.unimem.mla_kv_write)]
 
     def match(self, graph, write):
-        if len(write.args) != 11 or write.kwargs:
-            raise Refused("mla_kv_write is called with keyword arguments")
-        kv_nope, rank = write.args[3], write.args[8]
+        arguments = op_arguments(write)
+        kv_nope, rank = arguments["kv_nope"], arguments["kv_lora_rank"]
         out, views = kv_nope, []
         while is_method(out, *VIEW_METHODS) or is_function(out, torch.reshape):
             views.append(out)
@@ -133,14 +135,14 @@ class MLAWriteFusion(Rewrite):
             raise Refused("the RMSNorm weight is not contiguous")
         matched = [write, *views, *norm]
         check_closed(matched)
-        return write, x, weight, eps, matched
+        return write, arguments, x, weight, eps, matched
 
     def replace(self, graph, found):
-        write, x, weight, eps, matched = found
-        arena, v2p, loc, _, k_rope, *geometry = write.args
-        rank = geometry[3]
+        write, arguments, x, weight, eps, matched = found
+        geometry = MLAGeometry.from_arguments(arguments)
+        arena, v2p, loc, k_rope = (arguments[name] for name in ("arena", "v2p", "virt_loc", "k_rope"))
         with graph.inserting_before(write):
-            flat = insert_call(graph, "reshape", (x, -1, rank), like=write, method=True)
+            flat = insert_call(graph, "reshape", (x, -1, geometry.kv_lora_rank), like=write, method=True)
             insert_call(graph, torch.ops.unimem.mla_kv_write_rmsnorm,
-                        (arena, v2p, loc, flat, k_rope, weight, eps, *geometry), like=write)
+                        (arena, v2p, loc, flat, k_rope, weight, eps, *geometry.args()), like=write)
         erase_matched(graph, matched)

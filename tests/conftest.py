@@ -1,6 +1,6 @@
 """Test-process setup. Triton decides interpreter vs compiled when a kernel module is imported, so the
 interpreter is switched on here (on machines without CUDA), before anything imports unimem_compile
-(DESIGN.md section 4)."""
+(docs/design.md section 4)."""
 
 import os
 

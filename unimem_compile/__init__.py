@@ -4,13 +4,15 @@
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
     print(model.unimem.stats())
 
-See DESIGN.md (architecture), README.md (usage) and benchmarks/RESULTS.md (measurements).
+See docs/design.md (architecture), README.md (usage) and benchmarks/RESULTS.md (measurements).
 """
 
 from . import errors
-from .compile import DEFERRED_STOP_MIN_ROWS, UnimemHandle, compile
+from .compile import compile
 from .errors import GeometryError, InvalidFree, PoolExhausted, UnimemError, UnsupportedModel
 from .hf.cache import UnifiedCache
+from .hf.runtime import DEFERRED_STOP_MIN_ROWS, UnimemHandle
+from .options import CompileOptions
 
 __version__ = "0.1.0"
 
@@ -18,6 +20,7 @@ __all__ = [
     "compile",
     "UnifiedCache",
     "UnimemHandle",
+    "CompileOptions",
     "DEFERRED_STOP_MIN_ROWS",
     "GeometryError",
     "InvalidFree",

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
     d.add_argument("--cudagraphs", action="store_true", help="Inductor CUDA graphs (CUDA only)")
-    d.add_argument("--json", action="store_true", help="print one JSON object (DESIGN.md section 5 keys)")
+    d.add_argument("--json", action="store_true", help="print one JSON object (docs/design.md section 5 keys)")
     d.set_defaults(func=_demo)
 
     p = sub.add_parser("pool-info", help="size an arena for a model geometry (no memory is allocated)")

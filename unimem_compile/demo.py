@@ -166,7 +166,7 @@ class DemoArgumentError(ValueError):
 def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: torch.dtype | None = None,
              new_tokens: int = 24, backend: str = "inductor", page_size: int = 16, passes=True,
              cudagraphs: bool = False, log=print) -> dict:
-    """Run the side-by-side comparison and return the ``demo --json`` object (DESIGN.md section 5).
+    """Run the side-by-side comparison and return the ``demo --json`` object (docs/design.md section 5).
 
     Raises:
         DemoArgumentError (a ValueError): ``new_tokens`` below 2 (decode speed needs at least one decode
@@ -258,7 +258,7 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
         result["parity_detail"]["mean_abs_error_vs_fp32"] = errors
     texts = [(tok.decode(ids[i][mask[i].bool()]), tok.decode(out[i, prompt:])) for i in range(batch)]
     result["_texts"] = texts
-    # for the text report (not a DESIGN.md key): the compile estimate is a difference of noisy timings
+    # for the text report (not a docs/design.md key): the compile estimate is a difference of noisy timings
     result["_generate_s"] = (first_t, warm_t)
     return result
 

@@ -1,4 +1,4 @@
-"""Exception types of unimem-compile (DESIGN.md section 5).
+"""Exception types of unimem-compile (docs/design.md section 5).
 
 Every error carries the numbers that explain it (asked vs available bytes, the bad shape and the expected
 one). An operation that raises leaves the pool (arena bytes and tables) exactly as it was.

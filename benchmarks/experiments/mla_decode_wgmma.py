@@ -75,7 +75,6 @@ json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
 
 # ring depth 1 (112.5 KiB: two programs per SM) against 2 (184 KiB: one per SM), with split counts for both
 if os.environ.get("STAGES_SWEEP"):
-    from unimem_compile.ops import mla_decode_hopper as hop
     res["stages"] = {}
     for b, c in ((64, 4096), (32, 4096), (128, 4096), (64, 16384), (256, 4096)):
         qn, qr, pt, kl = setup.inputs(b, c)
@@ -83,32 +82,27 @@ if os.environ.get("STAGES_SWEEP"):
         eb = effective_bytes(b, c)
         row = {}
         for stages in (1, 2):
-            hop.WGMMA_STAGES = stages
             if stages == 1:
-                got = md.mla_decode_triton(*a, kernel="wgmma").float()
+                got = md.mla_decode_triton(*a, kernel="wgmma", wgmma_stages=1).float()
                 row["err_1"] = float((got - md.mla_decode_reference(*a).float()).abs().max())
             for bps in (1, 2, 3):
                 sp = md.mla_decode_num_splits(b, pt.shape[1], H, 64, qn.device, blocks_per_sm=bps)
                 row[f"st{stages}_sp{sp}"] = round(eb / bench_graph(
-                    lambda: md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp)) / 1e9, 4)
-        hop.WGMMA_STAGES = 2
+                    lambda: md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp, wgmma_stages=stages)) / 1e9, 4)
         res["stages"][f"{b}x{c}"] = row
         print("stages", f"{b}x{c}", row, flush=True)
     json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)
 
 # chunk-by-chunk refill of a ring buffer as the value products release it, against refilling after all
-# of them (WGMMA_EARLY_REFILL), alternating the two forms per repeat
+# of them (mla_decode_triton's wgmma_early_refill), alternating the two forms per repeat
 if os.environ.get("EARLY_SWEEP"):
-    from unimem_compile.ops import mla_decode_hopper as hop
     res["early_refill"] = {"checks": [], "points": {}}
-    default_early = hop.WGMMA_EARLY_REFILL
     qn, qr, pt, kl = setup.inputs(8, 4096)
     kl.copy_(torch.tensor([1, 100, 2049, 4096, 0, 63, 64, 65], dtype=torch.int32))
     a = setup.args(qn, qr, pt, kl, sm)
     want = md.mla_decode_reference(*a).float()
-    hop.WGMMA_EARLY_REFILL = True
     for sp in (None, 1, 2, 5):
-        got = md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp).float()
+        got = md.mla_decode_triton(*a, kernel="wgmma", num_splits=sp, wgmma_early_refill=True).float()
         res["early_refill"]["checks"].append({"splits": sp, "max_abs_err": float((got - want).abs().max()),
                                               "finite": bool(got.isfinite().all())})
     print("early checks", res["early_refill"]["checks"], flush=True)
@@ -120,9 +114,8 @@ if os.environ.get("EARLY_SWEEP"):
         row = {"late": [], "early": []}
         for _ in range(3):
             for name, flag in (("late", False), ("early", True)):
-                hop.WGMMA_EARLY_REFILL = flag
-                row[name].append(round(eb / bench_graph(lambda: md.mla_decode_triton(*a, kernel="wgmma")) / 1e9, 4))
+                row[name].append(round(eb / bench_graph(
+                    lambda: md.mla_decode_triton(*a, kernel="wgmma", wgmma_early_refill=flag)) / 1e9, 4))
         res["early_refill"]["points"][f"{b}x{c}"] = row
         print("early", f"{b}x{c}", row, flush=True)
-    hop.WGMMA_EARLY_REFILL = default_early
     json.dump(res, open(f"{OUT}/wgmma.json", "w"), indent=1)

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from unimem_compile import env  # noqa: E402
 from unimem_compile.ops import mla_decode as md  # noqa: E402
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool  # noqa: E402
 
@@ -127,7 +128,7 @@ def test_absorbed_decode_matches_transformers_expand_and_sdpa(gen):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_cuda_graph_replay_follows_a_growing_context(kernel, gen, monkeypatch):
-    monkeypatch.setenv(md.KERNEL_ENV, kernel)
+    monkeypatch.setenv(env.MLA_DECODE_KERNEL, kernel)
     paged = Paged(64, [100, 130], gen, width=4)
     q_nope = torch.randn(2, H, R, generator=gen).to(torch.bfloat16).cuda()
     q_rope = torch.randn(2, H, DR, generator=gen).to(torch.bfloat16).cuda()

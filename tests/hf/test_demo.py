@@ -1,4 +1,4 @@
-"""The main job's report: `unimem-compile demo --json` keys (DESIGN.md section 5) and parity."""
+"""The main job's report: `unimem-compile demo --json` keys (docs/design.md section 5) and parity."""
 
 import json
 

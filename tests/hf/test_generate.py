@@ -138,7 +138,7 @@ def test_the_deferred_stop_hook_leaves_other_caches_to_transformers(small):
     from transformers import DynamicCache
     from transformers.generation.utils import DeferredStopCheck
 
-    from unimem_compile.compile import _install_deferred_stop_hook
+    from unimem_compile.hf.runtime import _install_deferred_stop_hook
 
     assert _install_deferred_stop_hook()  # idempotent: installed once per process
     assert getattr(DeferredStopCheck.is_supported, "_unimem_hook", False)
@@ -190,7 +190,7 @@ def test_generate_continues_from_a_cache_it_was_given(pair):
     equals a fresh run over the whole sequence."""
     from transformers import DynamicCache
 
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     stock, model, _ = pair
     key = _cache_kwarg(stock)  # "cache" in recent transformers, "past_key_values" in older ones
@@ -493,7 +493,7 @@ def test_interleaved_conversations_of_one_row_count_each_continue_like_stock(pai
     continuation, so a cache whose tables are not in the buffers uploads them before its step."""
     from transformers import DynamicCache
 
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     stock, model, _ = pair
     key = _cache_kwarg(stock)
@@ -647,7 +647,7 @@ def test_a_padding_error_from_an_inferred_mask_says_so(small):
 def test_a_caller_cache_survives_a_call_refused_before_any_step(small):
     from transformers import DynamicCache
 
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     stock = build_model("kimi-linear-tiny")
     key = _cache_kwarg(stock)
@@ -680,7 +680,7 @@ def test_a_live_cache_growing_into_a_full_pool_gets_the_memory_of_a_dropped_one(
     # raise PoolExhausted)
     import gc
 
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     key = _cache_kwarg(small)
     pool = small.unimem.pool
@@ -755,7 +755,7 @@ def test_a_passed_generation_config_falls_back_to_the_models_per_field(small):
 
 
 def test_a_continuation_whose_mask_hides_cached_or_new_tokens_is_refused(small):
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     key = _cache_kwarg(small)
     ids, mask = prompts([7, 5], seed=52)
@@ -779,7 +779,7 @@ def test_a_continuation_whose_mask_hides_cached_or_new_tokens_is_refused(small):
 
 
 def test_a_direct_forward_with_an_unprepared_cache_is_refused(small):
-    from unimem_compile.compile import _cache_kwarg
+    from unimem_compile.hf.generate_checks import _cache_kwarg
 
     key = _cache_kwarg(small)
     ids, _ = prompts([6], seed=54)

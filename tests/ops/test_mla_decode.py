@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from unimem_compile import env
 from unimem_compile.errors import GeometryError
 from unimem_compile.ops import mla_decode as md
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool
@@ -256,12 +257,12 @@ def test_kernel_choice_portable_on_cpu_and_explicit_wgmma_refused_where_it_does_
     assert not md.wgmma_supported(torch.device("cpu"), torch.bfloat16, 64, 512, 64)
     want = md.mla_decode_triton(*args, kernel="portable")
     torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # auto -> portable here
-    monkeypatch.setenv(md.KERNEL_ENV, "portable")
+    monkeypatch.setenv(env.MLA_DECODE_KERNEL, "portable")
     torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)
     with pytest.raises(ValueError, match=rf"wgmma kernel needs an sm_90 GPU.*got device cpu, torch.float32, "
                                          rf"page_size 16, kv_lora_rank {R}, qk_rope_head_dim {DR}"):
         md.mla_decode_triton(*args, kernel="wgmma")
-    monkeypatch.setenv(md.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(env.MLA_DECODE_KERNEL, "fastest")
     with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'portable', 'wgmma'\), got 'fastest'"):
         md.mla_decode_triton(*args)
 

@@ -1,4 +1,4 @@
-"""Specs and the arena layout: the frozen numbers of DESIGN.md section 3."""
+"""Specs and the arena layout: the frozen numbers of docs/design.md section 3."""
 
 import math
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_write, state, translate
-from unimem_compile.ops.common import interpreting
+from unimem_compile.env import triton_interpret
 
 
 def _compact(w, side: str) -> list[int]:
@@ -163,7 +163,7 @@ def test_poison_turns_a_planted_bad_location_into_nan_only_where_it_reaches(fami
                                                                             poison_audit):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    if device == "cpu" and entry == "launcher" and not interpreting():
+    if device == "cpu" and entry == "launcher" and not triton_interpret():
         pytest.skip("CPU tensors reach the Triton launchers only under TRITON_INTERPRET=1")
     plant, op, launcher = PLANTS[family]
     fn = op if entry == "op" else launcher

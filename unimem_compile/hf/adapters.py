@@ -16,13 +16,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..errors import GeometryError, UnsupportedModel
-from ..pool import LinearStateSpec, MLASpec
+from ..pool import KERNEL_KV_DTYPES, LinearStateSpec, MLASpec
 
-__all__ = ["ModelAdapter", "SUPPORTED_FAMILIES", "MODEL_KV_DTYPES", "adapter_for"]
-
-#: Cache dtypes a compiled model can use: the ones its write and attention ops compute in (the pool itself
-#: also stores fp8 rows, for code that quantises its own).
-MODEL_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = ["ModelAdapter", "SUPPORTED_FAMILIES", "adapter_for"]
 
 #: model_type -> model class names supported, for error messages
 SUPPORTED_FAMILIES = {
@@ -109,7 +105,9 @@ def adapter_for(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
     Raises:
         UnsupportedModel: the family is not supported (the message lists the supported ones), or its
             config lacks what the pool needs.
-        GeometryError: ``kv_dtype`` (or the model's dtype) is not one of :data:`MODEL_KV_DTYPES`.
+        GeometryError: ``kv_dtype`` (or the model's dtype) is not one of
+            :data:`~unimem_compile.pool.specs.KERNEL_KV_DTYPES`, the dtypes its write and attention ops
+            compute in (the pool itself also stores fp8 rows, for code that quantises its own).
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -120,8 +118,8 @@ def adapter_for(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
         )
     dtype = next(model.parameters()).dtype
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    if kv_dtype not in MODEL_KV_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in MODEL_KV_DTYPES)
+    if kv_dtype not in KERNEL_KV_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES)
         raise GeometryError(f"kv_dtype {kv_dtype} is not supported for a model's cache (the write and attention "
                             f"ops compute in {names}); pass kv_dtype= one of those")
     n = int(config.num_hidden_layers)

@@ -7,7 +7,12 @@ library's type checks (which layers size the mask, ``is_linear``) keep working, 
 
 Everything that allocates or computes ids happens EAGERLY in :meth:`UnifiedCache.prepare_step`, which the
 wrapper of ``model.prepare_inputs_for_generation`` calls before every forward. The compiled forward sees
-only stable-shape tensors: the arena, the tables and the step metadata of :class:`StepBuffers`.
+only stable-shape tensors: the arena, the tables and the step metadata of the
+:class:`~unimem_compile.hf.runtime.StepBuffers` every cache of one batch size shares.
+
+A cache belongs to one compiled model's :class:`~unimem_compile.hf.runtime.UnimemHandle` and reaches the
+model's runtime state only through the handle's methods (step buffers, returning rows, the orphan queue);
+this module never imports the runtime.
 
 Semantics (like transformers' StaticCache): history position ``j`` is logical position ``j``, left pads
 included; ``get_mask_sizes`` returns ``(max_seq_len, 0)``; ``get_seq_length`` returns the logical length
@@ -18,7 +23,6 @@ row's first token at its pad count (``out_offset``).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import weakref
 from typing import TYPE_CHECKING
@@ -28,55 +32,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 
 from .. import ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
 from ..errors import GeometryError, PoolExhausted, UnsupportedModel
+from ..ops.geometry import MLAGeometry
 from ..pool import PageTables, UnifiedPool
-from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
 
 if TYPE_CHECKING:
-    from ..compile import UnimemHandle
+    from .runtime import UnimemHandle
 
-__all__ = ["UnifiedCache", "StepBuffers"]
-
-
-@dataclasses.dataclass
-class StepBuffers:
-    """Step metadata of one batch size, at addresses that stay fixed across steps and caches.
-
-    Attributes:
-        page_table: int32 ``[B, P]`` virtual pages per row (-1 = none).
-        kv_len: int32 ``[B]`` tokens stored per row, this step's included.
-        out_offset: int32 ``[B]`` left pads per row (where ``mla_gather`` puts a row's first token).
-        slot_ids: int64 ``[B]`` virtual state slot per row.
-        decode_loc: int64 ``[B, 1]`` virtual location of each row's token in a one-token step.
-        resident: weak reference to the cache whose tables the buffers hold now (None: nobody's). Several
-            live caches of one batch size share the buffers: a cache that is not resident uploads its
-            whole tables before its step (:meth:`UnifiedCache.prepare_step`).
-        upload_decode_loc: refreshes ``decode_loc`` from the host without a stream synchronisation.
-    """
-
-    page_table: torch.Tensor
-    kv_len: torch.Tensor
-    out_offset: torch.Tensor
-    slot_ids: torch.Tensor
-    decode_loc: torch.Tensor
-    resident: weakref.ref | None = None
-    upload_decode_loc: StagedUpload = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.upload_decode_loc = StagedUpload(self.decode_loc)
-
-    @classmethod
-    def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
-        buffers = cls(
-            page_table=torch.full((batch_size, max_pages_per_row), -1, dtype=torch.int32, device=device),
-            kv_len=torch.zeros(batch_size, dtype=torch.int32, device=device),
-            out_offset=torch.zeros(batch_size, dtype=torch.int32, device=device),
-            slot_ids=torch.full((batch_size,), -1, dtype=torch.int64, device=device),
-            decode_loc=torch.full((batch_size, 1), -1, dtype=torch.int64, device=device),
-        )
-        for t in (buffers.page_table, buffers.kv_len, buffers.out_offset, buffers.slot_ids, buffers.decode_loc):
-            torch._dynamo.mark_static_address(t)
-        return buffers
+__all__ = ["UnifiedCache"]
 
 
 class _GatherOnRead:
@@ -93,7 +56,8 @@ class _GatherOnRead:
 
 
 class MLACacheLayer(CacheLayerMixin):
-    """One MLA layer: latent rows ``[kv_nope | k_rot]`` in page envelope layer ``kv_layer``."""
+    """One MLA layer: latent rows ``[kv_nope | k_rot]`` in page envelope layer ``kv_layer`` (``geometry``: the
+    MLA ops' geometry arguments for that layer)."""
 
     is_compileable = True
     is_sliding = False
@@ -103,13 +67,14 @@ class MLACacheLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.kv_layer = kv_layer
+        self.geometry = MLAGeometry.of(cache.adapter.kv_spec, cache.page_size, kv_layer)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.cache._mla_update(self.kv_layer, key_states, value_states)
+        return self.cache._mla_update(self.geometry, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.max_seq_len, 0
@@ -233,19 +198,6 @@ class KDACacheLayer(LinearAttentionCacheLayerMixin):
         return f"KDACacheLayer(state_layer={self.state_layer})"
 
 
-def return_rows(pool: UnifiedPool, page_tables: PageTables | None, slots: list[int], buffers: StepBuffers) -> None:
-    """Give a cache's pages and state slots back to ``pool`` (``slots`` is emptied in place) and mark the
-    shared step ``buffers`` as holding nobody's tables (the next cache to step uploads its own). Used by
-    :meth:`UnifiedCache.release` and for caches collected without it (``UnimemHandle.reclaim_orphans``)."""
-    if page_tables is not None:
-        page_tables.release_all()  # uploads the emptied table into the shared buffers
-    if slots:
-        pool.free_slots(slots)
-        slots.clear()
-    buffers.slot_ids.fill_(-1)
-    buffers.resident = None
-
-
 class UnifiedCache(Cache):
     """A transformers ``Cache`` over a unimem pool, for one batch of ``batch_size`` rows.
 
@@ -315,11 +267,10 @@ class UnifiedCache(Cache):
 
     def _watch(self) -> None:
         # Watch for this cache being garbage-collected without release(): the watch only queues its pages,
-        # slots and buffers on the handle (a finaliser may run in the middle of any pool operation, so it
-        # must not touch the pool); the next cache created for the model, or handle.reclaim_orphans(),
-        # returns them.
-        self._orphan_watch = weakref.finalize(self, self.handle._orphans.append,
-                                              (self.page_tables, self.slots, self.buffers))
+        # slots and buffers on the handle; the next cache created for the model, its next step, or
+        # handle.reclaim_orphans() returns them.
+        self._orphan_watch = weakref.finalize(self, self.handle.queue_orphan, self.page_tables, self.slots,
+                                              self.buffers)
 
     def _make_resident(self) -> None:
         """Put this cache's tables into the shared step buffers if another cache of the same batch size
@@ -369,8 +320,7 @@ class UnifiedCache(Cache):
             )
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, total):
             raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, total]}")
-        if self.handle._orphans:  # memory of caches dropped unreleased goes back before this step allocates
-            self.handle.reclaim_orphans()
+        self.handle.reclaim_orphans()  # memory of caches dropped unreleased goes back before this step allocates
         self._make_resident()
         # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
         # ever appends ones to it. The first step and multi-token continuations are checked.
@@ -471,18 +421,17 @@ class UnifiedCache(Cache):
         self.write_loc = loc.to(self.pool.device)
 
     # ------------------------------------------------------------------ traced: MLA read/write
-    def _mla_update(self, kv_layer: int, kv_nope: torch.Tensor, k_rot: torch.Tensor):
-        pool, spec = self.pool, self.adapter.kv_spec
+    def _mla_update(self, geometry: MLAGeometry, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+        pool = self.pool
         B, _, S, R = kv_nope.shape
         Dr = k_rot.shape[-1]
-        geometry = (kv_layer, spec.layer_num, self.page_size, R, Dr, spec.dtype)
         torch.ops.unimem.mla_kv_write(
             pool.arena, pool.v2p, self.write_loc.reshape(-1), kv_nope.reshape(B * S, R), k_rot.reshape(B * S, Dr),
-            *geometry,
+            *geometry.args(),
         )
         full = torch.ops.unimem.mla_gather(
             pool.arena, pool.v2p, self.buffers.page_table, self.buffers.kv_len, self.buffers.out_offset,
-            self.max_seq_len, *geometry,
+            self.max_seq_len, *geometry.args(),
         ).to(kv_nope.dtype)
         return full[:, None, :, :R], full[:, None, :, R:]
 
@@ -556,10 +505,7 @@ class UnifiedCache(Cache):
 
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
-        # the model's generate() lock: returning rows empties the step buffers this batch size shares with a
-        # generate() that may be running in another thread between its prepare_step and its forward
-        with self.handle.generate_lock:
-            return_rows(self.pool, self.page_tables, self.slots, self.buffers)
+        self.handle.return_rows(self.page_tables, self.slots, self.buffers)  # under the model's generate lock
         self._out_offset.zero_()
         self.logical_len = 0
         self.seq_length.fill_(0)

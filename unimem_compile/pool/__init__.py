@@ -10,6 +10,8 @@ from .sizing import GEOMETRIES, geometry, max_requests, padded_group_bytes, pool
 from .specs import (
     ALIGN,
     FP8_DTYPES,
+    KERNEL_KV_DTYPES,
+    KV_STORE_DTYPES,
     LinearLayerStateSpec,
     LinearStateSpec,
     MHASpec,
@@ -24,6 +26,8 @@ __all__ = [
     "ALIGN",
     "FP8_DTYPES",
     "GEOMETRIES",
+    "KERNEL_KV_DTYPES",
+    "KV_STORE_DTYPES",
     "POISON_BYTE",
     "ArenaLayout",
     "LinearLayerStateSpec",

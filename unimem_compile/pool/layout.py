@@ -1,4 +1,4 @@
-"""The arena layout: every byte offset of DESIGN.md section 3, computed without allocating anything.
+"""The arena layout: every byte offset of docs/design.md section 3, computed without allocating anything.
 
 One uint8 arena of exactly ``memory_budget`` bytes holds both sub-pools. Both sides index from byte 0:
 

@@ -113,7 +113,7 @@ def pool_info(
     page_size: int = 64,
     geometry_name: str = "custom",
 ) -> dict:
-    """Capacity report of one arena (the ``pool-info --json`` keys of DESIGN.md section 5).
+    """Capacity report of one arena (the ``pool-info --json`` keys of docs/design.md section 5).
 
     Returns a dict: ``geometry``, ``budget_bytes``, ``page_size``, ``page_bytes``, ``slot_bytes``,
     ``max_kv_tokens``, ``max_state_slots``, ``overhead_fraction`` (sink + tail pad + bytes past the last page

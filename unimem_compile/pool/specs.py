@@ -27,6 +27,8 @@ from ..errors import GeometryError
 __all__ = [
     "ALIGN",
     "FP8_DTYPES",
+    "KERNEL_KV_DTYPES",
+    "KV_STORE_DTYPES",
     "round_up",
     "store_dtype_of",
     "dtype_itemsize",
@@ -47,8 +49,12 @@ FP8_DTYPES: frozenset[torch.dtype] = frozenset(
     if hasattr(torch, name)
 )
 
-_KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16}) | FP8_DTYPES
-_STATE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: The float dtypes of this version's arithmetic: what the unimem ops compute in (KV rows written, gathered
+#: and attended over; the linear-attention ops' inputs), what a state section may hold, and so what a
+#: compiled model's cache may use. Error messages list them in this order.
+KERNEL_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+#: What the pool stores as KV rows: the kernel dtypes and every fp8 format (moved, never computed on).
+KV_STORE_DTYPES: frozenset[torch.dtype] = frozenset(KERNEL_KV_DTYPES) | FP8_DTYPES
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -102,7 +108,7 @@ class _KVByteMath:
 
     @property
     def kernel_page_multiplier(self) -> int:
-        """Rows per token slot of a page envelope: L (DESIGN.md section 3, the dense id formula)."""
+        """Rows per token slot of a page envelope: L (docs/design.md section 3, the dense id formula)."""
         return self.layer_num
 
     def page_bytes(self, page_size: int) -> int:
@@ -141,7 +147,7 @@ class MLASpec(_KVByteMath):
     def __post_init__(self) -> None:
         for field in ("layer_num", "kv_lora_rank", "qk_rope_head_dim"):
             _check_positive_int("MLASpec", field, getattr(self, field))
-        _check_dtype("MLASpec", "dtype", self.dtype, _KV_DTYPES)
+        _check_dtype("MLASpec", "dtype", self.dtype, KV_STORE_DTYPES)
         self._check_row_alignment()
 
     @property
@@ -176,7 +182,7 @@ class MHASpec(_KVByteMath):
             _check_positive_int("MHASpec", field, getattr(self, field))
         if self.v_head_dim is not None:
             _check_positive_int("MHASpec", "v_head_dim", self.v_head_dim)
-        _check_dtype("MHASpec", "dtype", self.dtype, _KV_DTYPES)
+        _check_dtype("MHASpec", "dtype", self.dtype, KV_STORE_DTYPES)
         self._check_row_alignment()
 
     @property
@@ -208,7 +214,7 @@ class StateSection:
             raise GeometryError("StateSection.shape must have at least one dimension")
         for i, d in enumerate(self.shape):
             _check_positive_int("StateSection", f"shape[{i}]", d)
-        _check_dtype("StateSection", "dtype", self.dtype, _STATE_DTYPES)
+        _check_dtype("StateSection", "dtype", self.dtype, frozenset(KERNEL_KV_DTYPES))
 
     @property
     def numel(self) -> int:
@@ -234,7 +240,7 @@ class LinearLayerStateSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LinearStateSpec:
-    """Per-request state of every linear-attention layer, laid out in one slot (DESIGN.md section 3).
+    """Per-request state of every linear-attention layer, laid out in one slot (docs/design.md section 3).
 
     Within a slot, for each layer in order: the conv section, then the recurrent section, each starting
     16-byte aligned. The slot pitch :attr:`slot_bytes` is the 16-byte rounded total, which is NOT

@@ -1,6 +1,6 @@
 """Id translation in plain torch: virtual token locations -> physical or dense (kernel) rows.
 
-The one place the formulas of DESIGN.md section 3 live; the custom ops in ``unimem_compile.ops`` use
+The one place the formulas of docs/design.md section 3 live; the custom ops in ``unimem_compile.ops`` use
 these as their references and the Triton kernels compute the same expression inline.
 
 * physical token: ``v2p[t // ps] * ps + t % ps``

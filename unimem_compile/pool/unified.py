@@ -12,11 +12,11 @@ below are for Python code and tests.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from .. import env
 from ..errors import GeometryError, PoolExhausted
 from .allocator import Move, MultiEndedAllocator, as_int
 from .layout import ArenaLayout
@@ -102,7 +102,7 @@ def state_views(arena: torch.Tensor, layout: ArenaLayout, layer: int) -> tuple[t
 
 @dataclasses.dataclass
 class PoolStats:
-    """Counters of one pool; ``as_dict`` gives the "pool" keys of DESIGN.md section 5."""
+    """Counters of one pool; ``as_dict`` gives the "pool" keys of docs/design.md section 5."""
 
     total_bytes: int
     kv_pages_used: int
@@ -155,7 +155,7 @@ class UnifiedPool:
     def __init__(self, layout: ArenaLayout, device: torch.device | str = "cpu", *, poison: bool | None = None):
         self.layout = layout
         self.device = torch.device(device)
-        self.poison = os.environ.get("UNIMEM_DEBUG") == "1" if poison is None else poison
+        self.poison = env.debug() if poison is None else poison
         self.allocator = MultiEndedAllocator(layout)
         self.arena = torch.zeros(layout.memory_budget, dtype=torch.uint8, device=self.device)
         if self.poison:

@@ -1,0 +1,50 @@
+"""Every environment variable unimem-compile reads, in one place.
+
+Each variable is read when it is used (per call, never cached at import), so a test or a benchmark may set
+it at any time; each has one function here that says what it means. This module imports nothing of the
+project, so the pool, the ops and the passes can all use it.
+
+| variable | values | default | effect |
+|---|---|---|---|
+| ``UNIMEM_DEBUG`` | ``1``, or anything else | unset | ``1``: every op launcher checks its ids against the live set (one device sync per call) and a ``UnifiedPool`` poisons free pages and slots with NaN bytes (docs/reliability.md) |
+| ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
+| ``UNIMEM_MLA_DECODE_KERNEL`` | ``auto``, ``portable``, ``wgmma`` | ``auto`` | the stage-1 form of every ``mla_decode`` launch that passes no ``kernel=`` (benchmarks, A/B runs); another value makes the launch raise ValueError |
+| ``TRITON_INTERPRET`` | ``1``, or anything else | unset | read by Triton when a kernel is defined (set it before importing ``unimem_compile``); ``1`` also lets the Triton launchers take CPU tensors |
+
+The shell scripts read two more, which the package never does: ``UNIMEM_VENV`` (``scripts/*.sh``: the
+virtual environment to create or use, default ``.venv``) and ``UNIMEM_SHIM`` (``benchmarks/device_env.sh``:
+where it assembles the importable shim of the checkout, default ``/tmp/unimem_shim``).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["DEBUG", "DUMP_GRAPHS", "MLA_DECODE_KERNEL", "debug", "dump_graphs", "mla_decode_kernel",
+           "triton_interpret"]
+
+#: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
+DEBUG = "UNIMEM_DEBUG"
+DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
+MLA_DECODE_KERNEL = "UNIMEM_MLA_DECODE_KERNEL"
+
+
+def debug() -> bool:
+    """Whether ``UNIMEM_DEBUG=1``: launchers check every id against the live set, pools poison free memory."""
+    return os.environ.get(DEBUG) == "1"
+
+
+def dump_graphs() -> str | None:
+    """The folder ``UNIMEM_DUMP_GRAPHS`` names, or None when it is unset or empty (no graph dumps)."""
+    return os.environ.get(DUMP_GRAPHS) or None
+
+
+def mla_decode_kernel() -> str | None:
+    """The ``UNIMEM_MLA_DECODE_KERNEL`` override of ``mla_decode``'s stage-1 form (unchecked here: the
+    launcher refuses a value that is not one of its kernels), or None when it is unset or empty."""
+    return os.environ.get(MLA_DECODE_KERNEL) or None
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), e.g. on CPU tensors in CI."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

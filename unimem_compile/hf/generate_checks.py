@@ -1,0 +1,256 @@
+"""The checks of one ``generate()`` call on a compiled model, and the settings it resolves on the way.
+
+:func:`check_generate_call` is the whole of it: everything a call asks for that a compiled model cannot do
+is refused by name before anything is allocated or computed, and what the call asks for is resolved the
+way transformers resolves it (the call's keywords, then the generation_config it passes, then the
+model's). The :class:`GenerateCall` it returns carries the call's rows, its cache and those settings, for
+whatever runs the call (``hf/runtime.py`` hands it to transformers' generate).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from ..errors import GeometryError, UnsupportedModel
+from .cache import UnifiedCache
+
+if TYPE_CHECKING:
+    from .runtime import UnimemHandle
+
+__all__ = ["GenerateCall", "check_generate_call", "check_outputs", "UNSUPPORTED_OUTPUTS"]
+
+#: forward() outputs that transformers collects through hooks installed under a lock, which Dynamo cannot
+#: trace with fullgraph=True: refused by name instead of failing inside the trace.
+UNSUPPORTED_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+@dataclasses.dataclass
+class GenerateCall:
+    """One checked generate() call.
+
+    Attributes:
+        batch: prompts in the call (``input_ids.shape[0]``).
+        prompt_len: tokens per prompt, pads included (``input_ids.shape[1]``).
+        num_return_sequences: sequences per prompt (generate() repeats each prompt that often).
+        rows: cache rows the call needs, ``batch * num_return_sequences``.
+        total_len: tokens a row reaches in the call (prompt with pads + new tokens), at most ``max_seq_len``.
+        cache: the :class:`UnifiedCache` the call runs on: the caller's, or a new one of ``rows`` rows.
+        passed: whether the caller passed ``cache`` (else it is the call's own, to release when it returns).
+        inferred_pad_token_id: the pad_token_id transformers infers the attention mask from when the call
+            passes none (None: the call passes a mask, or sets no pad token).
+        config: the generation_config the call passes (a copy with ``disable_compile`` set), or None.
+        args, kwargs: what to call transformers' generate with: the call's own, the cache under the model's
+            cache keyword, ``disable_compile=True`` (transformers must not compile ``__call__`` itself).
+    """
+
+    batch: int
+    prompt_len: int
+    num_return_sequences: int
+    rows: int
+    total_len: int
+    cache: UnifiedCache
+    passed: bool
+    inferred_pad_token_id: Any
+    config: Any
+    args: tuple
+    kwargs: dict
+    model: Any = dataclasses.field(repr=False)
+
+    def setting(self, name: str, default=None):
+        """The generation setting ``name`` as transformers resolves it for this call (see
+        :func:`generation_setting`), ``default`` when neither the call nor a config sets it."""
+        return generation_setting(self.model, self.kwargs, name, default, self.config)
+
+
+def _given_generation_config(args, kwargs):
+    """The generation_config a generate() call passes, as a keyword or as its second positional argument
+    (``generate(inputs, generation_config, ...)``); None when it passes none."""
+    from transformers import GenerationConfig
+
+    if kwargs.get("generation_config") is not None:
+        return kwargs["generation_config"]
+    if len(args) > 1 and isinstance(args[1], GenerationConfig):
+        return args[1]
+    return None
+
+
+@functools.cache
+def _default_generation_config():
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
+
+
+def generation_setting(model, kwargs, name: str, default, config=None):
+    """A generate() setting as transformers resolves it, field by field: the call's keyword, else the
+    generation_config it passes (``config``) where that sets the field (differs from transformers'
+    default), else the model's generation_config, else ``default``."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    config = config or kwargs.get("generation_config")
+    model_config = getattr(model, "generation_config", None)
+    if config is not None:
+        value = getattr(config, name, None)
+        if value is not None and (model_config is None or value != getattr(_default_generation_config(), name, None)):
+            return value
+    value = getattr(model_config, name, None)
+    return default if value is None else value
+
+
+def check_outputs(model, settings: dict) -> None:
+    """Refuse hidden states and attention maps (:data:`UNSUPPORTED_OUTPUTS`) asked for by ``settings`` (a
+    call's keywords or resolved settings; None defers to the model's config).
+
+    Raises:
+        UnsupportedModel: naming the output asked for."""
+    for name in UNSUPPORTED_OUTPUTS:
+        value = settings.get(name)
+        if value is None:
+            value = getattr(model.config, name, False)
+        if value:
+            raise UnsupportedModel(f"{name}=True is not supported by a model compiled by unimem_compile (the "
+                                   "compiled forward returns logits and the cache only); run the stock model "
+                                   "for hidden states or attention maps")
+
+
+def _default_max_length() -> int:
+    """transformers' ``max_length`` when neither the call nor a config sets one (20 in 5.17-5.24)."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+
+        return int(GenerationMixin._get_default_generation_params()["max_length"])
+    except Exception:  # noqa: BLE001 - another transformers layout: its documented default
+        return 20
+
+
+def _max_total_length(model, kwargs, prompt_len: int, config) -> int:
+    """Tokens a row reaches in this generate() call (prompt with pads + new tokens), resolved as transformers'
+    ``_prepare_generated_length`` does: ``max_new_tokens`` wins; else a ``max_length`` set by the call or a
+    config; else the default ``max_length`` (20) as NEW tokens, capped by ``max_position_embeddings``."""
+    new = generation_setting(model, kwargs, "max_new_tokens", None, config)
+    if new is not None:
+        return prompt_len + int(new)
+    length = generation_setting(model, kwargs, "max_length", None, config)
+    if length is not None:
+        return int(length)
+    total = prompt_len + _default_max_length()
+    cap = getattr(model.config, "max_position_embeddings", None)
+    return min(total, int(cap)) if cap else total
+
+
+def _cache_kwarg(model) -> str:
+    """The keyword this model's ``prepare_inputs_for_generation`` takes its cache by (transformers renamed
+    ``past_key_values`` to ``cache``)."""
+    return _cache_kwarg_of(type(model))
+
+
+@functools.cache
+def _cache_kwarg_of(model_class) -> str:
+    params = inspect.signature(model_class.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) -> GenerateCall:
+    """Check a generate() call on ``model`` (compiled, with ``handle``) and resolve what it asks for.
+
+    The checks run in this order and the first that fails raises; only when all pass is a new cache
+    created for a call that passes none (so a refused call allocates nothing and changes no cache).
+
+    Args:
+        handle: the model's :class:`~.runtime.UnimemHandle`.
+        model: the compiled model.
+        args, kwargs: the call's arguments as generate() received them (``kwargs`` is not modified).
+
+    Returns:
+        the :class:`GenerateCall`.
+
+    Raises:
+        ValueError: two different caches (``cache=`` and ``past_key_values=``).
+        UnsupportedModel: a cache that is not a :class:`UnifiedCache` or belongs to another model; no
+            ``input_ids`` (``inputs_embeds``); ``input_ids`` on another device; hidden states or attention
+            maps asked for; beam search; assisted / speculative decoding; ``prefill_chunk_size``;
+            ``use_cache=False``; a model whose parameters were cast since ``compile()``.
+        GeometryError: more rows than ``max_batch_size``; a passed cache of another row count; a prompt +
+            new tokens longer than ``max_seq_len``.
+    """
+    kwargs = dict(kwargs)
+    # `is None`, not `or`: an empty transformers Cache is falsy (its length is 0)
+    given, other = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+    if given is not None and other is not None and given is not other:
+        raise ValueError("generate() was given two different caches (cache= and past_key_values=); pass one")
+    given = other if given is None else given
+    if given is not None and not isinstance(given, UnifiedCache):
+        raise UnsupportedModel(f"a model compiled by unimem_compile generates with a UnifiedCache, "
+                               f"got {type(given).__name__}")
+    if given is not None:
+        handle.check_own(given)
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if input_ids is None:
+        raise UnsupportedModel("unimem_compile's generate() needs input_ids (inputs_embeds are not supported)")
+    if input_ids.device != handle.pool.device:
+        raise UnsupportedModel(f"input_ids are on {input_ids.device} but the model and its pool are on "
+                               f"{handle.pool.device}")
+    batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
+    config = _given_generation_config(args, kwargs)
+    setting = functools.partial(generation_setting, model, kwargs, config=config)
+    check_outputs(model, {name: setting(name, None) for name in UNSUPPORTED_OUTPUTS})
+    beams = int(setting("num_beams", 1))
+    if beams > 1:
+        raise UnsupportedModel(f"beam search (num_beams={beams}) is not supported by a model compiled by "
+                               "unimem_compile; use greedy decoding or sampling")
+    assisted = {"assistant_model": kwargs.get("assistant_model"),
+                "prompt_lookup_num_tokens": setting("prompt_lookup_num_tokens", None),
+                "assistant_early_exit": setting("assistant_early_exit", None),
+                "use_mtp": setting("use_mtp", None) or None}
+    asked = [f"{name}={value!r}" if name != "assistant_model" else name
+             for name, value in assisted.items() if value is not None]
+    if asked:
+        raise UnsupportedModel(f"assisted / speculative decoding ({', '.join(asked)}) is not supported by a model "
+                               "compiled by unimem_compile: it crops rejected draft tokens off the cache, which "
+                               "a UnifiedCache cannot undo; use greedy decoding or sampling")
+    chunk = setting("prefill_chunk_size", None)
+    if chunk is not None:
+        raise UnsupportedModel(f"prefill_chunk_size={chunk} is not supported by a model compiled by "
+                               "unimem_compile: each step must bring the whole sequence so far (the cache lays "
+                               "the step out from it); leave prefill_chunk_size unset")
+    if setting("use_cache", True) is False:
+        raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
+                               "decodes from its UnifiedCache")
+    sequences = int(setting("num_return_sequences", 1))
+    rows = batch * sequences  # generate() repeats each prompt num_return_sequences times before prefill
+    if rows > handle.max_batch_size:
+        detail = f" x num_return_sequences={sequences} = {rows} rows" if sequences > 1 else " rows"
+        raise GeometryError(f"batch of {batch}{detail} is larger than max_batch_size={handle.max_batch_size}")
+    if given is not None and given.num_rows != rows:
+        raise GeometryError(f"the UnifiedCache passed holds {given.num_rows} rows, this generate() call needs "
+                            f"{rows} (batch {batch} x num_return_sequences {sequences})")
+    total = _max_total_length(model, kwargs, prompt, config)
+    if total > handle.max_seq_len:
+        raise GeometryError(f"prompt ({prompt} tokens, pads included) + new tokens = {total} tokens is longer "
+                            f"than max_seq_len={handle.max_seq_len}")
+    dtype_now = next(model.parameters()).dtype
+    if dtype_now != handle.model_dtype:
+        raise UnsupportedModel(f"the model's parameters are {dtype_now} now but were {handle.model_dtype} when "
+                               "unimem_compile.compile() built its pool and graphs; compile a fresh model "
+                               "object in the dtype you want (or cast it back)")
+    pad = setting("pad_token_id", None) if kwargs.get("attention_mask") is None else None
+    # transformers must not compile __call__ behind our back; set on the caller's generation_config when
+    # there is one (a keyword beside a generation_config makes transformers warn about deprecated usage)
+    if config is None:
+        kwargs.setdefault("disable_compile", True)
+    elif not getattr(config, "disable_compile", False):
+        config = copy.deepcopy(config)
+        config.disable_compile = True
+        if kwargs.get("generation_config") is not None:
+            kwargs["generation_config"] = config
+        else:
+            args = (args[0], config, *args[2:])
+    cache = given if given is not None else handle.new_cache(rows)
+    kwargs[_cache_kwarg(model)] = cache
+    return GenerateCall(batch=batch, prompt_len=prompt, num_return_sequences=sequences, rows=rows, total_len=total,
+                        cache=cache, passed=given is not None, inferred_pad_token_id=pad, config=config,
+                        args=tuple(args), kwargs=kwargs, model=model)

@@ -1,0 +1,357 @@
+"""The runtime of a compiled model: its :class:`UnimemHandle` and the wrappers ``compile()`` installs.
+
+``unimem_compile.compile`` builds the pool and the compiled forward, then calls :func:`install`, which
+patches the model INSTANCE (the class is untouched):
+
+* ``model.forward`` runs the compiled forward (refusing a forward with a :class:`UnifiedCache` whose step was
+  not prepared, and autograd on linear-attention models), with the family's kernel functions swapped for
+  unimem-backed ones;
+* ``model.prepare_inputs_for_generation`` first prepares the step eagerly (allocation, locations): it runs
+  before every forward and before transformers builds the attention mask;
+* ``model.generate`` checks the call (:func:`~.generate_checks.check_generate_call`), runs transformers'
+  generate on the call's cache with ``disable_compile=True`` (transformers must not compile ``__call__``
+  behind our back), lets transformers read the stop flag one step late on a cache it creates (CUDA, 8+
+  rows; ``deferred_stop_check``), and frees that cache's pages and slots when generation returns;
+* ``model.unimem`` is the :class:`UnimemHandle`: the pool, the step buffers every cache of a batch size
+  shares, the queue of caches collected without ``release()``, and the lock that serialises generate()
+  calls and everything that returns rows.
+
+Caches (:mod:`.cache`) call back into the handle (:meth:`UnimemHandle.step_buffers`,
+:meth:`~UnimemHandle.queue_orphan`, :meth:`~UnimemHandle.reclaim_orphans`, :meth:`~UnimemHandle.return_rows`)
+and never import this module: the dependency runs one way, runtime -> cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import threading
+import weakref
+
+import torch
+
+from ..errors import UnsupportedModel
+from ..pool import PageTables, UnifiedPool
+from ..pool.staging import StagedUpload
+from .adapters import ModelAdapter
+from .cache import UnifiedCache
+from .generate_checks import UNSUPPORTED_OUTPUTS, GenerateCall, check_generate_call, check_outputs
+
+__all__ = ["UnimemHandle", "StepBuffers", "DEFERRED_STOP_MIN_ROWS", "RECOMPILE_LIMIT", "install"]
+
+#: Rows from which ``deferred_stop_check=None`` defers the stop check (measured on an H200 with the
+#: Kimi-Linear-48B 4-layer model, prompt 512: batch 1 -5-8%, batch 8 +3%, batch 32 +10-28% decode tokens/s).
+DEFERRED_STOP_MIN_ROWS = 8
+
+#: Graphs one compiled model may accumulate (prefill lengths and batch sizes before Dynamo marks them
+#: dynamic, with and without a padding mask); torch's default of 8 is counted per code object.
+RECOMPILE_LIMIT = 32
+
+
+@dataclasses.dataclass
+class StepBuffers:
+    """Step metadata of one batch size, at addresses that stay fixed across steps and caches.
+
+    Attributes:
+        page_table: int32 ``[B, P]`` virtual pages per row (-1 = none).
+        kv_len: int32 ``[B]`` tokens stored per row, this step's included.
+        out_offset: int32 ``[B]`` left pads per row (where ``mla_gather`` puts a row's first token).
+        slot_ids: int64 ``[B]`` virtual state slot per row.
+        decode_loc: int64 ``[B, 1]`` virtual location of each row's token in a one-token step.
+        resident: weak reference to the cache whose tables the buffers hold now (None: nobody's). Several
+            live caches of one batch size share the buffers: a cache that is not resident uploads its
+            whole tables before its step (:meth:`UnifiedCache.prepare_step`).
+        upload_decode_loc: refreshes ``decode_loc`` from the host without a stream synchronisation.
+    """
+
+    page_table: torch.Tensor
+    kv_len: torch.Tensor
+    out_offset: torch.Tensor
+    slot_ids: torch.Tensor
+    decode_loc: torch.Tensor
+    resident: weakref.ref | None = None
+    upload_decode_loc: StagedUpload = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.upload_decode_loc = StagedUpload(self.decode_loc)
+
+    @classmethod
+    def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
+        buffers = cls(
+            page_table=torch.full((batch_size, max_pages_per_row), -1, dtype=torch.int32, device=device),
+            kv_len=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            out_offset=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            slot_ids=torch.full((batch_size,), -1, dtype=torch.int64, device=device),
+            decode_loc=torch.full((batch_size, 1), -1, dtype=torch.int64, device=device),
+        )
+        for t in (buffers.page_table, buffers.kv_len, buffers.out_offset, buffers.slot_ids, buffers.decode_loc):
+            torch._dynamo.mark_static_address(t)
+        return buffers
+
+
+class UnimemHandle:
+    """What ``unimem_compile.compile`` attaches to a model as ``model.unimem``.
+
+    Attributes:
+        pool: the :class:`~unimem_compile.pool.UnifiedPool` every generate() of this model draws from.
+        adapter: how the model's layers map onto the pool.
+        max_batch_size, max_seq_len: the limits given to ``compile``.
+        passes: the :class:`~unimem_compile.passes.PassManager` applied to this model's graphs.
+        model_dtype: the parameters' dtype at compile time (generate() refuses a model cast since).
+        deferred_stop_check: when generate() lets transformers read its stop flag one step late on the
+            caches it creates (None: automatic; see ``compile``).
+        generate_lock: held by every generate() call and by whatever returns a cache's rows (release,
+            reset, creating a cache, reclaiming dropped ones): calls from several threads run one after the
+            other (they share the step buffers of a batch size and the adapter's patched module globals).
+    """
+
+    def __init__(self, model, adapter: ModelAdapter, pool: UnifiedPool, max_batch_size: int, max_seq_len: int,
+                 passes, deferred_stop_check: bool | None = None):
+        self.adapter = adapter
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.passes = passes
+        self.max_pages_per_row = math.ceil(max_seq_len / pool.layout.page_size)
+        self.model_dtype = next(model.parameters()).dtype
+        self._deferred_stop_check: bool | None = None
+        self._buffers: dict[int, StepBuffers] = {}
+        self._orphans: list = []  # (page tables, slots, step buffers) of caches collected unreleased
+        self._model_name = type(model).__name__
+        self.generate_lock = threading.RLock()
+        self.deferred_stop_check = deferred_stop_check
+
+    @property
+    def deferred_stop_check(self) -> bool | None:
+        """The ``deferred_stop_check`` setting (see ``compile``): None (automatic: CUDA generate() calls of at
+        least :data:`DEFERRED_STOP_MIN_ROWS` rows), True (every CUDA generate()), False (never); settable.
+
+        Raises:
+            ValueError: set True on a model whose pool is not on a CUDA device."""
+        return self._deferred_stop_check
+
+    @deferred_stop_check.setter
+    def deferred_stop_check(self, setting: bool | None) -> None:
+        if setting is not None and not isinstance(setting, bool):
+            raise TypeError(f"deferred_stop_check must be True, False or None, got {setting!r}")
+        if setting and self.pool.device.type != "cuda":
+            raise ValueError(f"deferred_stop_check needs a CUDA model (transformers' DeferredStopCheck waits on "
+                             f"device events); this model's pool is on {self.pool.device}")
+        self._deferred_stop_check = setting
+
+    def defers_stop_check(self, rows: int) -> bool:
+        """Whether a generate() of ``rows`` rows on a cache it creates reads the stop flag one step late."""
+        setting = self._deferred_stop_check
+        if self.pool.device.type != "cuda" or setting is False:
+            return False
+        if setting is None and rows < DEFERRED_STOP_MIN_ROWS:
+            return False
+        return _install_deferred_stop_hook()
+
+    @property
+    def rewrites(self) -> dict[str, int]:
+        """``{rewrite name: replacements}`` summed over every graph compiled for this model."""
+        return dict(self.passes.counts)
+
+    def step_buffers(self, batch_size: int) -> StepBuffers:
+        """The step metadata tensors of ``batch_size`` rows (created once, then reused by every cache)."""
+        if batch_size not in self._buffers:
+            # created on first use, possibly inside torch.inference_mode(): the buffers outlive the call and
+            # are written in place by later calls outside it, so they must not be inference tensors
+            with torch.inference_mode(False):
+                self._buffers[batch_size] = StepBuffers.allocate(batch_size, self.max_pages_per_row,
+                                                                 self.pool.device)
+        return self._buffers[batch_size]
+
+    def return_rows(self, page_tables: PageTables | None, slots: list[int], buffers: StepBuffers) -> None:
+        """Give a cache's pages and state slots back to the pool (``slots`` is emptied in place) and mark the
+        shared step ``buffers`` as holding nobody's tables (the next cache to step uploads its own). Takes
+        the generate lock: returning rows empties step buffers a generate() running in another thread may
+        share, between its prepare_step and its forward."""
+        with self.generate_lock:
+            if page_tables is not None:
+                page_tables.release_all()  # uploads the emptied table into the shared buffers
+            if slots:
+                self.pool.free_slots(slots)
+                slots.clear()
+            buffers.slot_ids.fill_(-1)
+            buffers.resident = None
+
+    def queue_orphan(self, page_tables: PageTables | None, slots: list[int], buffers: StepBuffers) -> None:
+        """Queue the rows of a cache garbage-collected without ``release()`` (its finaliser calls this).
+        Only queued: a finaliser may run in the middle of any pool operation, so it must not touch the
+        pool; :meth:`reclaim_orphans` returns them."""
+        self._orphans.append((page_tables, slots, buffers))
+
+    def reclaim_orphans(self) -> int:
+        """Return the pages, slots and step buffers of caches that were garbage-collected without
+        ``release()`` (creating a cache and every step do this first); returns how many such caches were
+        reclaimed."""
+        if not self._orphans:  # the common case, without taking the lock
+            return 0
+        count = 0
+        with self.generate_lock:
+            while self._orphans:
+                self.return_rows(*self._orphans.pop())
+                count += 1
+        return count
+
+    def check_own(self, cache: UnifiedCache) -> None:
+        """Refuse another model's cache: it carries that model's pool, specs and layer map, so its rows would
+        be written with this model's geometry into the other arena.
+
+        Raises:
+            UnsupportedModel: ``cache`` belongs to another compiled model."""
+        if cache.handle is not self:
+            raise UnsupportedModel(f"this UnifiedCache belongs to another compiled model ({cache.handle!r}); "
+                                   f"create caches for this one with model.unimem.new_cache()")
+
+    def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
+        """A fresh :class:`UnifiedCache` of ``batch_size`` rows (default ``max_batch_size``)."""
+        return UnifiedCache(self, self.max_batch_size if batch_size is None else batch_size)
+
+    def stats(self) -> dict:
+        """The ``pool`` statistics of docs/design.md section 5 (bytes, pages, slots), plus the free gap."""
+        s = self.pool.stats()
+        return {
+            "total_bytes": s.total_bytes,
+            "kv_pages_peak": s.kv_pages_peak,
+            "state_slots_peak": s.state_slots_peak,
+            "kv_pages_used": s.kv_pages_used,
+            "state_slots_used": s.state_slots_used,
+            "overhead_fraction": s.overhead_fraction,
+            "page_bytes": s.page_bytes,
+            "slot_bytes": s.slot_bytes,
+            "free_gap_bytes": s.free_gap_bytes,
+        }
+
+    def __repr__(self) -> str:
+        return f"UnimemHandle({self._model_name}, {self.pool!r}, rewrites={self.rewrites})"
+
+
+def _install_deferred_stop_hook() -> bool:
+    """Let transformers' ``DeferredStopCheck.is_supported`` say yes for a :class:`UnifiedCache` whose
+    ``defer_stop_check`` is set (every other call goes to transformers' own rule, unchanged). Installed once
+    per process; False when this transformers has no ``DeferredStopCheck`` (no deferral then)."""
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    check = getattr(gen_utils, "DeferredStopCheck", None)
+    if check is None or not hasattr(check, "is_supported"):
+        return False
+    original = check.is_supported
+    if getattr(original, "_unimem_hook", False):
+        return True
+    signature = inspect.signature(original)
+
+    def is_supported(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        cache = bound.arguments.get("cache")
+        if isinstance(cache, UnifiedCache) and cache.defer_stop_check:
+            return not bound.arguments.get("is_assistant", False)
+        return original(*args, **kwargs)
+
+    is_supported._unimem_hook = True
+    check.is_supported = staticmethod(is_supported)
+    return True
+
+
+# ------------------------------------------------------------------------------------------ the wrappers
+def install(model, handle: UnimemHandle, compiled_forward) -> None:
+    """Patch ``model``'s ``forward``, ``prepare_inputs_for_generation`` and ``generate`` to run on ``handle``
+    (see the module docstring) and attach it as ``model.unimem``. ``compiled_forward`` is the
+    ``torch.compile``'d forward of this model."""
+    model.forward = _forward(model, handle, compiled_forward)
+    model.prepare_inputs_for_generation = _prepare_inputs_for_generation(model, handle)
+    model.generate = _generate(model, handle)
+    model.unimem = handle
+
+
+def _requires_grad(model) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _forward(model, handle: UnimemHandle, compiled):
+    adapter = handle.adapter
+    # a config asking for hidden states / attentions by default is checked on every forward; otherwise only
+    # a forward whose keywords ask for them (two dict lookups on the decode path)
+    config_outputs = any(getattr(model.config, name, False) for name in UNSUPPORTED_OUTPUTS)
+
+    @functools.wraps(model.forward)
+    def forward(*args, **kwargs):
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or config_outputs:
+            check_outputs(model, kwargs)
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(cache, UnifiedCache):
+            if not cache.prepared:
+                raise UnsupportedModel("a forward with a UnifiedCache must follow cache.prepare_step(input_ids, "
+                                       "attention_mask) for its tokens (generate() does this before every step); "
+                                       "call generate(), or prepare the step first")
+            cache.prepared = False
+        if torch.is_grad_enabled() and adapter.state_spec is not None and _requires_grad(model):
+            raise UnsupportedModel(
+                "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
+                "under torch.no_grad() or torch.inference_mode() (generate() does)"
+            )
+        with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return forward
+
+
+def _prepare_inputs_for_generation(model, handle: UnimemHandle):
+    original = model.prepare_inputs_for_generation
+    pool = handle.pool
+
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, UnifiedCache):
+            handle.check_own(cache)
+            if input_ids.device != pool.device:
+                raise UnsupportedModel(f"input_ids are on {input_ids.device} but the pool is on {pool.device}")
+            cache.prepare_step(input_ids, kwargs.get("attention_mask"))
+        return original(input_ids, *args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
+def _generate(model, handle: UnimemHandle):
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        with handle.generate_lock:
+            return _run(original, check_generate_call(handle, model, args, kwargs))
+
+    return generate
+
+
+def _run(original_generate, call: GenerateCall):
+    """Run transformers' generate for a checked call on its cache; release a cache it created when it returns.
+
+    A step that failed half way leaves page tables and states that no longer match the cached tokens: a
+    cache the caller passed is then released (not silently continued from), unless the call failed before
+    any step changed it (e.g. transformers refusing an argument)."""
+    cache = call.cache
+    cache.mask_hint = (f"no attention_mask was passed, so generate() inferred one from "
+                       f"pad_token_id={call.inferred_pad_token_id}; pass attention_mask explicitly"
+                       if call.inferred_pad_token_id is not None else None)
+    cache.call_start = True  # the first step of this call checks the whole mask
+    before = cache.fingerprint() if call.passed else None
+    cache.defer_stop_check = not call.passed and cache.handle.defers_stop_check(call.rows)
+    try:
+        out = original_generate(*call.args, **call.kwargs)
+    except BaseException as e:
+        if call.passed and cache.fingerprint() != before:
+            cache.release(reason=f"generate() raised {type(e).__name__} while using it")
+        raise
+    finally:
+        if not call.passed:
+            cache.release()
+    if call.passed:
+        cache.finish_generate()
+    return out
