@@ -3,12 +3,13 @@ reference + Triton kernel + checking launcher per op family. Import as ``unimem_
 top-level ``ops`` (each op would register twice).
 
 Modules: ``translate`` (id translation), ``mla_write`` (fused latent write), ``mla_gather`` (paged rows
--> dense history), ``mla_decode`` (paged decode attention), ``state`` (slot gather/scatter), ``conv``
-(short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for
-the Kimi-Linear adapter).
+-> dense history), ``mla_decode`` (paged decode attention), ``mla_prefill`` (paged prefill attention,
+reached as ``unimem_compile.ops.mla_prefill``: its names are not re-exported here), ``state`` (slot
+gather/scatter), ``conv`` (short-conv update in place), ``kda`` (Kimi Delta Attention decode/prefill on
+slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter).
 """
 
-from . import conv, kda, kda_chunk, mla_decode, mla_gather, mla_write, state, translate
+from . import conv, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
 from .conv import *  # noqa: F401,F403
 from .kda import *  # noqa: F401,F403
 from .kda_chunk import *  # noqa: F401,F403
