@@ -159,7 +159,9 @@ def mla_prefill_reference(
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-@triton.jit
+# Triton specialises int arguments that are 1 or multiples of 16; the piece bounds and the chunk length vary
+# from call to call, and specialising them would compile a new variant per value class for no gain.
+@triton.jit(do_not_specialize=["piece_start", "piece_len"])
 def _gather_piece_kernel(
     ws_ptr,  # [>= n, R + DR] workspace, q's dtype, contiguous
     kv_ptr,  # the arena as kv_dtype elements (a typed view from byte 0)
@@ -251,7 +253,7 @@ def _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, k_start, k_end, ws_row0, q_p
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "piece_start", "piece_end"])
 def _mla_prefill_attn_kernel(
     q_ptr, e_ptr, ws_ptr, cu_ptr, out_ptr, acc_ptr, lse_ptr,
     qk_scale, T, H, piece_start, piece_end, first, last,
@@ -330,13 +332,23 @@ def mla_prefill_tiles(device: torch.device, T: int) -> dict[str, int]:
     """Default attention tiles: ``{"block_m", "block_n", "num_warps", "num_stages"}``.
 
     sm_90 (Hopper): 128 x 64 tiles, 8 warps, 3 stages: Triton emits wgmma for bf16/fp16 ``tl.dot`` at
-    BLOCK_M 128 with two warpgroups; q (48 KiB at dq 192) plus 3 stages of K/V tiles (40 KiB each) fit in
-    shared memory. Other GPUs: 64 x 64, 4 warps, 2 stages (mma.sync; fits the 100-164 KiB of sm_80/86/89).
-    The interpreter (CPU): 16 x 16. BLOCK_M shrinks to ``max(16, next_pow2(T))`` for short chunks.
+    BLOCK_M 128 with two warpgroups; q (48 KiB at dq 192) plus 3 stages of K/V tiles (40 KiB each) take
+    168 KiB of shared memory and 227 registers per thread without spills (compiled for sm_90 in CI:
+    tests/ops/test_mla_prefill.py). 4 warps at BLOCK_M 128 spill. Other GPUs: 64 x 64, 4 warps, 2 stages
+    (mma.sync; fits the 100-164 KiB of sm_80/86/89). The interpreter (CPU): 16 x 16. BLOCK_M shrinks to
+    ``max(16, next_pow2(T))`` for short chunks.
     """
     if device.type != "cuda":
+        return _tiles(None, T)
+    major, minor = torch.cuda.get_device_capability(device)
+    return _tiles(10 * major + minor, T)
+
+
+def _tiles(arch: int | None, T: int) -> dict[str, int]:
+    # arch: 10 * major + minor of the CUDA compute capability, None for the interpreter
+    if arch is None:
         tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
-    elif torch.cuda.get_device_capability(device)[0] == 9:
+    elif arch == 90:
         tiles = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
     else:
         tiles = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
@@ -428,7 +440,7 @@ def mla_prefill_triton(
         q = q.contiguous()
     lens = kv_len.clamp(0, P * page_size)
     cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(lens, 0, out=cu[1:])
+    torch.cumsum(lens, 0, dtype=torch.int32, out=cu[1:])
     n_ws = min(workspace_tokens, total)
     ws = torch.empty((n_ws, R + Dr), dtype=q.dtype, device=q.device)
     e = torch.empty((n_ws, H * (dn + dv)), dtype=q.dtype, device=q.device)

@@ -176,6 +176,32 @@ def test_equals_transformers_expand_kv_and_sdpa_on_todays_gathered_history(gen):
     assert (~real).any() and real.any()
 
 
+def test_every_offset_of_the_causal_diagonal_within_a_tile(gen):
+    # 16 queries after histories of 13..17 and 30 tokens: the first query of the block sits at every position
+    # of a 16-key tile, so the split between whole unmasked tiles and masked ones is checked at each offset
+    offsets = [13, 14, 15, 16, 17, 30]
+    rows = Rows([30 - o for o in offsets], 46, torch.float32, gen)
+    rows.write(30)
+    w = weight(gen, torch.float32)
+    run_chunks(rows, [16], w, gen, [1000])
+
+
+def test_a_tombstoned_page_inside_kv_len_reads_zero_rows_and_debug_mode_raises(monkeypatch, gen):
+    rows = Rows([0, 0], 40, torch.float32, gen)
+    rows.write(40)
+    dead = int(rows.page_table[1, 1])
+    rows.pool.free_pages([dead])  # tokens 16..31 of row 1: NaN bytes behind a tombstone
+    rows.truth[1][16:32] = 0.0
+    w = weight(gen, torch.float32)
+    q = queries(gen, 2, 40, torch.float32)
+    want = dense(q, w, rows.truth, 40)
+    for got in (torch.ops.unimem.mla_prefill(*rows.args(q, w, 24)), mp.mla_prefill_triton(*rows.args(q, w, 24))):
+        check(got, want, torch.float32, 40, 2)
+    monkeypatch.setenv("UNIMEM_DEBUG", "1")
+    with pytest.raises(GeometryError, match=f"row 1 page slot 1: virtual page {dead}"):
+        mp.mla_prefill_triton(*rows.args(q, w, 24))
+
+
 def test_pages_and_tokens_past_kv_len_are_never_read(gen):
     # each row's last page is part-written (its tail NaN), one more allocated page holds only NaN, and the table
     # continues with a freed (tombstoned, NaN) page
@@ -285,15 +311,68 @@ def test_bad_inputs_raise_with_the_numbers(gen):
             mp.mla_prefill_triton(*args, **{knob: value})
 
 
-def test_debug_mode_checks_the_host_copy_and_the_pages(monkeypatch, gen):
+def test_debug_mode_checks_the_host_copy_against_the_device_lengths(monkeypatch, gen):
     rows = Rows([0, 2], 12, torch.float32, gen)
     rows.write(12)
     w = weight(gen, torch.float32)
     q = queries(gen, 2, 12, torch.float32)
     monkeypatch.setenv("UNIMEM_DEBUG", "1")
     stale = torch.tensor([12, 9], dtype=torch.int32)
-    with pytest.raises(GeometryError, match="row 1: kv_len 10, kv_len_host 9"):
-        mp.mla_prefill_triton(*rows.args(q, w, 8, stale))
-    rows.pool.free_pages([int(rows.page_table[1, 0])])
-    with pytest.raises(GeometryError, match="not live"):
-        torch.ops.unimem.mla_prefill(*rows.args(q, w, 8))
+    for fn in (torch.ops.unimem.mla_prefill, mp.mla_prefill_triton):
+        with pytest.raises(GeometryError, match="row 1: kv_len 10, kv_len_host 9"):
+            fn(*rows.args(q, w, 8, stale))
+
+
+_HOPPER_CHILD = r'''
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from unimem_compile.ops import mla_prefill as mp
+
+kern = mp._mla_prefill_attn_kernel
+t = mp._tiles(90, 4096)
+types = dict(q_ptr="*bf16", e_ptr="*bf16", ws_ptr="*bf16", cu_ptr="*i32", out_ptr="*bf16", acc_ptr="*fp32",
+             lse_ptr="*fp32", qk_scale="fp32")
+consts = dict(R=512, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128, BLOCK_M=t["block_m"],
+              BLOCK_N=t["block_n"], DOT_PRECISION="tf32")
+sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=t["num_warps"], num_stages=t["num_stages"]))
+ptx = k.asm["ptx"]
+stack = None
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+if os.path.exists(tool):
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.cubin"), "wb").write(k.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", os.path.join(d, "k.cubin")], capture_output=True,
+                               text=True).stdout
+    found = re.search(r"STACK:(\d+)", usage)
+    stack = int(found.group(1)) if found else None
+print("RESULT " + json.dumps({"wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+                              "shared": k.metadata.shared, "stack": stack, "tiles": t}), flush=True)
+'''
+
+
+def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills(tmp_path):
+    # CI has no GPU: compile the attention kernel for sm_90 ahead of time (no driver needed) with the tiles
+    # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry. A child process, because this test
+    # process runs Triton in the interpreter.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _HOPPER_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    k = json.loads(lines[0][len("RESULT "):])
+    assert k["tiles"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    assert k["wgmma"] > 0 and k["mma_sync"] == 0  # every product on the Hopper tensor-core path
+    assert k["shared"] <= 227 * 1024  # an H100/H200 block's shared-memory limit
+    assert k["stack"] in (0, None)  # no register spills (None: this Triton ships no cuobjdump)
