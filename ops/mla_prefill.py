@@ -328,30 +328,40 @@ def _mla_prefill_attn_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-def mla_prefill_tiles(device: torch.device, T: int) -> dict[str, int]:
-    """Default attention tiles: ``{"block_m", "block_n", "num_warps", "num_stages"}``.
+def mla_prefill_tiles(device: torch.device, T: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Default attention tiles for q's ``dtype``: ``{"block_m", "block_n", "num_warps", "num_stages"}``.
 
-    sm_90 (Hopper): 128 x 64 tiles, 8 warps, 3 stages: Triton emits wgmma for bf16/fp16 ``tl.dot`` at
-    BLOCK_M 128 with two warpgroups; q (48 KiB at dq 192) plus 3 stages of K/V tiles (40 KiB each) take
-    168 KiB of shared memory and 227 registers per thread without spills (compiled for sm_90 in CI:
-    tests/ops/test_mla_prefill.py). 4 warps at BLOCK_M 128 spill. Other GPUs: 64 x 64, 4 warps, 2 stages
-    (mma.sync; fits the 100-164 KiB of sm_80/86/89). The interpreter (CPU): 16 x 16. BLOCK_M shrinks to
-    ``max(16, next_pow2(T))`` for short chunks.
+    Chosen from sm_90 / sm_80 compiles at Kimi-Linear's head dims (dn 128, Dr 64, dv 128), checked with
+    Triton 3.9's ahead-of-time compiler and cuobjdump (register use and spill stack):
+
+    - sm_90, bf16/fp16: 128 x 64 tiles, 8 warps, 3 stages. Triton emits wgmma at BLOCK_M 128 with two
+      warpgroups; bf16 takes 168 KiB of shared memory (q 48 KiB + 3 stages of 40 KiB K/V tiles) and 227
+      registers per thread without spills (CI compiles it: tests/ops/test_mla_prefill.py). 4 warps at
+      BLOCK_M 128 spill.
+    - other GPUs, bf16/fp16: 64 x 64, 8 warps, 2 stages (mma.sync; 56 KiB, 170 registers on sm_80; 4 warps
+      spill).
+    - fp32 (IEEE products, a correctness path): 32 x 32, 4 warps, 2 stages; it spills at these head dims
+      whatever the tiles (the least of the tiles tried).
+    - the interpreter (CPU): 16 x 16.
+
+    BLOCK_M shrinks to ``max(16, next_pow2(T))`` for short chunks.
     """
     if device.type != "cuda":
-        return _tiles(None, T)
+        return _tiles(None, T, dtype)
     major, minor = torch.cuda.get_device_capability(device)
-    return _tiles(10 * major + minor, T)
+    return _tiles(10 * major + minor, T, dtype)
 
 
-def _tiles(arch: int | None, T: int) -> dict[str, int]:
+def _tiles(arch: int | None, T: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     # arch: 10 * major + minor of the CUDA compute capability, None for the interpreter
     if arch is None:
         tiles = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    elif dtype == torch.float32:
+        tiles = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
     elif arch == 90:
         tiles = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
     else:
-        tiles = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+        tiles = {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
     tiles["block_m"] = min(tiles["block_m"], max(16, triton.next_power_of_2(max(T, 1))))
     return tiles
 
@@ -417,7 +427,7 @@ def mla_prefill_triton(
            layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
     check_kernel_device(op, q.device)
     B, H, T, dn, dv = _dims(q, w_kv_b, qk_rope_head_dim)
-    tiles = mla_prefill_tiles(q.device, T)
+    tiles = mla_prefill_tiles(q.device, T, q.dtype)
     block_m = tiles["block_m"] if block_m is None else block_m
     block_n = tiles["block_n"] if block_n is None else block_n
     num_warps = tiles["num_warps"] if num_warps is None else num_warps

@@ -238,7 +238,8 @@ def test_without_a_host_copy_the_lengths_are_read_from_the_device(gen):
     w = weight(gen, torch.float32)
     q = queries(gen, 2, 20, torch.float32)
     want = torch.ops.unimem.mla_prefill(*rows.args(q, w, 8))
-    for got in (torch.ops.unimem.mla_prefill(*rows.args(q, w, 8, None)), mp.mla_prefill_triton(*rows.args(q, w, 8, None))):
+    args = rows.args(q, w, 8, None)
+    for got in (torch.ops.unimem.mla_prefill(*args), mp.mla_prefill_triton(*args)):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -292,7 +293,8 @@ def test_bad_inputs_raise_with_the_numbers(gen):
         (_bad(args, 0, q[..., :DR]), GeometryError, f"q's last dimension {DR}"),
         (_bad(args, 6, w.half()), TypeError, "w_kv_b must be torch.float32"),
         (_bad(args, 6, w[:, :R - 1]), GeometryError, f"w_kv_b must have shape [*, {R}]"),
-        (_bad(args, 6, w[: H * DN]), GeometryError, f"w_kv_b has {H * DN} rows, not heads {H} x (qk_nope_head_dim {DN}"),
+        (_bad(args, 6, w[: H * DN]), GeometryError,
+         f"w_kv_b has {H * DN} rows, not heads {H} x (qk_nope_head_dim {DN}"),
         (_bad(args, 3, rows.page_table[:1]), GeometryError, "page_table must have shape [2, *]"),
         (_bad(args, 4, rows.kv_len.long()), TypeError, "kv_len must be torch.int32"),
         (_bad(args, 5, rows.kv_len[:1]), GeometryError, "kv_len_host must have shape [2]"),
