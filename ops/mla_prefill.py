@@ -39,9 +39,12 @@ Counting (benchmarks/bench_mla_prefill.py reports these): with ``N = sum_b kv_le
 expansion is ``2 N R H (dn + dv)`` FLOPs; the attention ``2 H (dn + Dr + dv) x pairs`` FLOPs where ``pairs``
 counts the (query, key) pairs the causal mask admits, ``sum_b sum_{t: s_t >= 0} (s_t + 1)`` with ``s_t``
 query ``t``'s stored index (masked-out work is not counted, as FlashAttention's causal numbers do not).
-Bytes: the latent rows ``N (R + Dr)`` x kv itemsize, ``E`` written and read once each ``2 N H (dn + dv)`` x
-itemsize, the weight once per piece, queries and output once (plus 2 fp32 passes over the running output per
-piece after the first): the op is compute bound once the history exceeds a few hundred tokens per query block.
+Bytes: the latent rows ``N (R + Dr)`` x kv itemsize read and written to the workspace, ``E`` (``N H (dn + dv)``
+x itemsize) written once and read by every query block of its row (from L2 while the blocks of one head run
+together), the weight once per piece, queries and output once, and per piece after the first a read and a
+write of the fp32 running output. Per key and head the attention does ``2 T (dn + Dr + dv)`` FLOPs on
+``(dn + dv) x itemsize`` bytes of ``E``: about ``1.25 T`` FLOP/byte at Kimi-Linear's geometry in bf16, so a
+chunk of more than ~200 queries is compute bound even if every read came from HBM.
 
 Reference: :func:`mla_prefill_reference` (plain torch, the same pieces and merge), also the default
 implementation (CPU tensors run it); CUDA tensors run :func:`mla_prefill_triton`.
@@ -127,7 +130,7 @@ def mla_prefill_reference(
     lse = torch.full((B, T, H), float("-inf"), dtype=torch.float32, device=dev)
     starts = [sum(lengths[:b]) for b in range(B)]
     rows_typed = typed_rows(arena, kv_dtype, R + qk_rope_head_dim)
-    w = w_kv_b.view(H, dn + dv, R)
+    w = w_kv_b.reshape(H, dn + dv, R)
     t = torch.arange(T, device=dev)
     for p in range(pieces):
         p_lo, p_hi = p * workspace_tokens, min((p + 1) * workspace_tokens, total)
@@ -159,8 +162,9 @@ def mla_prefill_reference(
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# Triton specialises int arguments that are 1 or multiples of 16; the piece bounds and the chunk length vary
-# from call to call, and specialising them would compile a new variant per value class for no gain.
+# Triton specialises int arguments that are 1 or multiples of 16. The piece bounds, the chunk length and the
+# first / last piece flags vary from call to call (the flags are uniform per launch: their branches cost
+# nothing at run time), and specialising them would compile up to four more variants per tile configuration.
 @triton.jit(do_not_specialize=["piece_start", "piece_len"])
 def _gather_piece_kernel(
     ws_ptr,  # [>= n, R + DR] workspace, q's dtype, contiguous
@@ -253,7 +257,7 @@ def _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, k_start, k_end, ws_row0, q_p
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["T", "piece_start", "piece_end"])
+@triton.jit(do_not_specialize=["T", "piece_start", "piece_end", "first", "last"])
 def _mla_prefill_attn_kernel(
     q_ptr, e_ptr, ws_ptr, cu_ptr, out_ptr, acc_ptr, lse_ptr,
     qk_scale, T, H, piece_start, piece_end, first, last,
