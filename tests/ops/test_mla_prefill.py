@@ -136,8 +136,7 @@ def test_chunked_prefill_of_left_padded_rows_equals_dense_causal_attention(dtype
 def test_pieces_of_any_size_merge_to_the_same_result(workspace, gen):
     # ragged histories continuing with a chunk of 6 tokens: 50 + 6, 0 + 6, 17 + 6 stored tokens; a workspace
     # of 1 token is 85 pieces of one key each (checked on the reference only: the kernel would take 170
-    # interpreted launches), 16 cuts the
-    # first row at its page boundaries
+    # interpreted launches), 16 cuts the first row at its page boundaries
     rows = Rows([0, 50, 33], 56, torch.float32, gen)
     rows.write(50)
     w = weight(gen, torch.float32)
