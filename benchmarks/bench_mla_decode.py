@@ -170,13 +170,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="a few points only")
-    ap.add_argument("--max-tokens", type=int, default=4 * 2**20, help="skip points with more tokens in total")
+    ap.add_argument("--max-tokens", type=int, default=8 * 2**20,
+                    help="skip points with more tokens in total (8M tokens: a 67 GB arena of 7-layer pages)")
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kernel = kernel_name(args.kernel)
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
-    contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]
+    contexts = [1024, 4096, 16384, 32768, 65536, 131072] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
 
     ceiling = read_ceiling_tbs()

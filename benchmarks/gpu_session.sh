@@ -3,7 +3,8 @@
 # device tool returns at most 8 files). Steps run in the order given, each under its own time limit, so a
 # step that hangs or fails costs only its own slot.
 #   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
-#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode bench_mla_prefill bench_mla_prefill_sweep
+#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#          bench_mla_prefill_sweep
 #          demo_real bench_passes bench_state_passes bench_generate
 set -u
 cd "$(dirname "$0")/.."
@@ -39,7 +40,9 @@ for s in "$@"; do
                run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
-    bench_mla_decode) run_step bench_mla_decode 100 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
+    bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
+    sweep_mla_decode_small) run_step sweep_mla_decode_small 300 python3 -P benchmarks/sweep_mla_decode.py --small-batch \
+                              --budget-s 260 --out "$OUT/json/mla_decode_small_sweep.json" ;;
     bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;

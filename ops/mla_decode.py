@@ -212,30 +212,54 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H, num_splits,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # program (row b, head h): log-sum-exp merge of the used splits' normalised partial outputs
+    # program (row b, head h, value columns c*BLOCK_R + [0, BLOCK_R)): log-sum-exp merge of the used splits'
+    # normalised partial outputs. The columns are split over programs and the splits are read BLOCK_S at a
+    # time as one [BLOCK_S, BLOCK_R] tile (independent loads, not a chain of one split after another), so a
+    # small batch with many splits (batch 1: B x H = 32 programs over up to 132 splits) still spreads the
+    # partials' bytes over the whole GPU.
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     n, split_len, _start, _end = _split_bounds(kv_len_ptr, b, 0, num_splits, max_tokens, BLOCK_N)
     used = tl.cdiv(n, tl.maximum(split_len, 1))
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
+    offs_s = tl.arange(0, BLOCK_S)
+    row = b.to(tl.int64) * num_splits
+    # pass 1: the largest log-sum-exp of the row's used splits (a few hundred bytes, L2-resident)
     m = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        s_ok = (s0 + offs_s) < used
+        lse = tl.load(part_lse_ptr + (row + s0 + offs_s) * H + h, mask=s_ok, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # kv_len 0: no split ran, the output is zeros
+    # pass 2: the weighted sum of the partials
     den = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(0, used):
-        slot = (b.to(tl.int64) * num_splits + s) * H + h
-        lse = tl.load(part_lse_ptr + slot)
-        o = tl.load(part_o_ptr + slot * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        scale = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * scale + w * o
-        den = den * scale + w
-        m = m_new
+    for s0 in range(0, used, BLOCK_S):
+        s_ok = (s0 + offs_s) < used
+        slot = (row + s0 + offs_s) * H + h
+        w = tl.exp2(tl.load(part_lse_ptr + slot, mask=s_ok, other=float("-inf")) - m)
+        o = tl.load(part_o_ptr + slot[:, None] * R + offs_r[None, :], mask=s_ok[:, None] & r_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None] * o, 0)
+        den += tl.sum(w, 0)
     out = acc / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + (b.to(tl.int64) * H + h) * R + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+#: Merge tile: value columns per program and splits per load (the columns split over programs is what lets
+#: batch 1 use the GPU; an [MERGE_BLOCK_S, MERGE_BLOCK_R] fp32 tile is 8 KiB of registers per program).
+MERGE_BLOCK_R = 64
+MERGE_BLOCK_S = 32
+
+
+def _merge_grid_and_tile(B: int, H: int, R: int, block_r: int | None, block_s: int | None) -> tuple:
+    block_r = min(block_r or MERGE_BLOCK_R, triton.next_power_of_2(R))
+    block_s = block_s or MERGE_BLOCK_S
+    return (B, H, triton.cdiv(R, block_r)), block_r, block_s
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -273,7 +297,8 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, merge_block_r: int | None = None,
+    merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
@@ -297,6 +322,8 @@ def mla_decode_triton(
             default split count assumes one resident program per SM.
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
             :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
+        merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
+            two; defaults :data:`MERGE_BLOCK_R`, :data:`MERGE_BLOCK_S`).
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -322,6 +349,9 @@ def mla_decode_triton(
     if block_h is not None:
         check_knob(op, "block_h", block_h, low=16, power_of_two=True)
     check_knob(op, "wgmma_stages", wgmma_stages)
+    for name, value in (("merge_block_r", merge_block_r), ("merge_block_s", merge_block_s)):
+        if value is not None:
+            check_knob(op, name, value, power_of_two=True)
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
     if partial_dtype is not None and partial_dtype not in KERNEL_KV_DTYPES:
@@ -386,14 +416,16 @@ def mla_decode_triton(
             return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry,
                                      num_splits=num_splits,
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
-                                     partial_dtype=partial_dtype, kernel="portable")
+                                     partial_dtype=partial_dtype, kernel="portable", merge_block_r=merge_block_r,
+                                     merge_block_s=merge_block_s)
     else:
         _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
     if splits > 1:
-        _mla_decode_merge_kernel[(B, H)](
+        grid, block_r, block_s = _merge_grid_and_tile(B, H, R, merge_block_r, merge_block_s)
+        _mla_decode_merge_kernel[grid](
             part_o, part_lse, kv_len, out, P * page_size, H, splits,
-            R=R, BLOCK_R=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
+            R=R, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=4,
         )
     return out
 
