@@ -3,6 +3,7 @@
 # device tool returns at most 8 files). Steps run in the order given, each under its own time limit, so a
 # step that hangs or fails costs only its own slot.
 #   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
+#   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's)
 #   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep
 #          demo_real bench_passes bench_state_passes bench_generate
@@ -28,6 +29,8 @@ export TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
 run_step() {  # run_step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  local override="LIMIT_$name"
+  limit=${!override:-$limit}  # LIMIT_<step>=SECONDS overrides a step's time limit
   local start=$(date +%s)
   echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" "$@" >> "$LOG" 2>&1
@@ -36,13 +39,13 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case "$s" in
-    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu
+    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs ${GPU_TESTS:-tests/gpu}
                run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
     sweep_mla_decode_small) run_step sweep_mla_decode_small 300 python3 -P benchmarks/sweep_mla_decode.py --small-batch \
-                              --budget-s 260 --out "$OUT/json/mla_decode_small_sweep.json" ;;
+                              --budget-s "${SWEEP_BUDGET:-260}" --out "$OUT/json/mla_decode_small_sweep.json" ;;
     bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;
