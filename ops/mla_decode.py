@@ -250,16 +250,27 @@ def _mla_decode_merge_kernel(
     tl.store(out_ptr + (b.to(tl.int64) * H + h) * R + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
-#: Merge tile: value columns per program and splits per load (the columns split over programs is what lets
-#: batch 1 use the GPU; an [MERGE_BLOCK_S, MERGE_BLOCK_R] fp32 tile is 8 KiB of registers per program).
-MERGE_BLOCK_R = 64
-MERGE_BLOCK_S = 32
+#: Merge programs the default merge tile aims for, per SM: enough to spread a small batch's partials over the
+#: GPU without giving a large batch thousands of programs that each merge two partials.
+MERGE_PROGRAMS_PER_SM = 4
+#: Largest merge tile, in fp32 values ([splits per load, value columns]): 16 KiB of registers per program.
+MERGE_TILE_VALUES = 4096
 
 
-def _merge_grid_and_tile(B: int, H: int, R: int, block_r: int | None, block_s: int | None) -> tuple:
-    block_r = min(block_r or MERGE_BLOCK_R, triton.next_power_of_2(R))
-    block_s = block_s or MERGE_BLOCK_S
-    return (B, H, triton.cdiv(R, block_r)), block_r, block_s
+def merge_tile(batch: int, num_heads: int, kv_lora_rank: int, num_splits: int, sms: int) -> tuple[int, int]:
+    """Default merge tile ``(block_r, block_s)``: value columns per program and splits per load.
+
+    Columns are split over programs only as far as ``batch x heads`` programs fall short of
+    :data:`MERGE_PROGRAMS_PER_SM` per SM (at least 32 columns each), and a load covers every split (at most
+    :data:`MERGE_TILE_VALUES` values). Measured on an H200 (benchmarks/RESULTS.md, the small-batch sweep):
+    at batch 1 one program per (row, head) over 132 splits held decode at 0.79 TB/s at 32k context where 32
+    columns x 64 splits per program gave 1.14; at batch 32-64 and short contexts (2-4 splits) the
+    column-split tile lost up to 40% against one program per (row, head)."""
+    r_pow2 = triton.next_power_of_2(kv_lora_rank)
+    chunks = triton.next_power_of_2(max(1, triton.cdiv(MERGE_PROGRAMS_PER_SM * sms, max(1, batch * num_heads))))
+    block_r = max(min(32, r_pow2), r_pow2 // chunks)
+    block_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_TILE_VALUES // block_r))
+    return block_r, block_s
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -268,13 +279,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size: int, device: torch.device,
                           *, block_n: int = 64, block_h: int = MAX_BLOCK_H, blocks_per_sm: int = BLOCKS_PER_SM) -> int:
     """Split count of the stage-1 grid: the largest that keeps ``batch x splits x head groups`` within one
     wave of resident blocks (``blocks_per_sm x SMs``), at least 1, at most one split per ``block_n`` tile
     of a full row (``max_pages x page_size`` tokens). Depends on static sizes only (never on ``kv_len``)."""
-    sms = INTERPRETER_SMS if device.type != "cuda" else _sm_count(device.index if device.index is not None
-                                                                    else torch.cuda.current_device())
+    sms = _device_sms(device)
     groups = triton.cdiv(num_heads, block_h)
     tiles = triton.cdiv(max_pages * page_size, block_n)
     return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
@@ -323,7 +339,7 @@ def mla_decode_triton(
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
             :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
-            two; defaults :data:`MERGE_BLOCK_R`, :data:`MERGE_BLOCK_S`).
+            two; default :func:`merge_tile`).
 
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
@@ -422,8 +438,9 @@ def mla_decode_triton(
         _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
     if splits > 1:
-        grid, block_r, block_s = _merge_grid_and_tile(B, H, R, merge_block_r, merge_block_s)
-        _mla_decode_merge_kernel[grid](
+        auto_r, auto_s = merge_tile(B, H, R, splits, _device_sms(q_nope.device))
+        block_r, block_s = merge_block_r or auto_r, merge_block_s or auto_s
+        _mla_decode_merge_kernel[(B, H, triton.cdiv(R, block_r))](
             part_o, part_lse, kv_len, out, P * page_size, H, splits,
             R=R, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=4,
         )
