@@ -399,12 +399,16 @@ def _device_values(settings: RowSettings, vocab_size: int) -> dict[str, object]:
 class RowState:
     """Generation settings and bookkeeping of ``max_rows`` rows, as device tensors at fixed addresses.
 
-    Args (``GeometryError`` unless each is an int >= 1; ``TypeError`` for a non-integer):
+    Args:
         max_rows: rows (the largest batch bucket).
         vocab_size: ``V``, the width of the logits the step gets (the lm_head's output features).
         max_new_tokens: width of the output buffer ``out``: the most tokens one row may generate.
         device: where every tensor lives.
         max_eos: ``E``, EOS ids a row may hold (default :data:`DEFAULT_MAX_EOS` = 8).
+
+    Raises:
+        TypeError: a size that is not an integer.
+        GeometryError: a size below 1.
 
     Tensors (attributes, each ``[max_rows, ...]``; a step reads :meth:`view`):
         temperature, inv_temperature (float32), top_k (int32, 0 = off), top_p_cut (float32, ``1 - top_p``
@@ -416,10 +420,10 @@ class RowState:
         tokens; positions at and after ``count`` hold the pad token), last_token (int64: the token appended
         last, the next step's input).
 
-    Memory: ``max_rows * (V + 8 * max_new_tokens + 8 * E + 60)`` bytes (presence dominates: 64 rows of a
+    Memory: ``max_rows * (V + 8 * max_new_tokens + 8 * E + 66)`` bytes (presence dominates: 64 rows of a
     163,840-token vocabulary are 10 MiB).
 
-    Host API: :meth:`set_rows` / :meth:`set_row` (a request joins), :meth:`clear_row` (it leaves),
+    Host API: :meth:`set_rows` / :meth:`set_row` / :meth:`set_row_from_config` (a request joins), :meth:`clear_row` (it leaves),
     :meth:`move_row`, :meth:`settings`, :meth:`any_sampling`, :meth:`generated`. Their device writes are
     enqueued on the current stream without synchronising (pinned staging for the few vectors), so they take
     effect between the steps queued before and after them on that stream: call them from the thread that
@@ -442,21 +446,22 @@ class RowState:
         d = self.device
         for name, dtype in _DTYPES.items():
             setattr(self, name, torch.empty(self.max_rows, dtype=dtype, device=d))
+        self.device = self.count.device  # with its index ("cuda" -> "cuda:0"), to compare with tensors'
         self.eos = torch.empty(self.max_rows, self.max_eos, dtype=torch.int64, device=d)
         self.presence = torch.empty(self.max_rows, self.vocab_size, dtype=torch.bool, device=d)
         self.out = torch.empty(self.max_rows, self.max_new_tokens, dtype=torch.int64, device=d)
         self._settings: list[RowSettings | None] = [None] * self.max_rows
-        for row in range(self.max_rows):
-            self._clear(row)
+        self._clear(slice(0, self.max_rows))
 
     # ----------------------------------------------------------------------------------------- views
     def view(self, n: int) -> Rows:
         """Rows ``[0, n)`` as :class:`Rows` (views: the step's in-place writes land in this state).
 
         Raises:
+            TypeError: ``n`` is not an integer.
             IndexError: ``n`` outside ``[1, max_rows]``.
         """
-        n = _int(n, "n")
+        n = as_int(n, "n")
         if not 1 <= n <= self.max_rows:
             raise IndexError(f"a step over {n} rows does not fit a RowState of {self.max_rows} rows")
         return Rows(**{name: getattr(self, name)[:n] for name in Rows._fields})
@@ -484,10 +489,25 @@ class RowState:
         mask = None if attention_mask is None else self._ids_2d(attention_mask, "attention_mask")
         self.set_rows(row, [settings], ids, mask)
 
+    def set_row_from_config(self, row: int, config, prompt_ids, attention_mask=None, *,
+                            seed: int | None = None) -> RowSettings:
+        """:meth:`set_row` with the settings generate() would derive from a transformers
+        ``GenerationConfig`` for this prompt (:meth:`RowSettings.from_generation_config`, with
+        ``prompt_len = len(prompt_ids)``); returns them.
+
+        Raises:
+            UnsupportedGenerationSetting, GenerationSettingError, IndexError: as the two calls it makes.
+        """
+        ids = self._ids_2d(prompt_ids, "prompt_ids")
+        settings = RowSettings.from_generation_config(config, len(ids[0]), seed=seed)
+        mask = None if attention_mask is None else self._ids_2d(attention_mask, "attention_mask")
+        self.set_rows(row, [settings], ids, mask)
+        return settings
+
     def set_rows(self, start: int, settings: Sequence[RowSettings], input_ids, attention_mask=None) -> None:
         """Put ``b = len(settings)`` requests into rows ``[start, start + b)``: their settings, a zero
         count, ``finished`` False, an output row of pad tokens, and the repetition-penalty presence of
-        their prompts.
+        their prompts (requests already in those rows are replaced).
 
         Args:
             start: the first row.
@@ -508,7 +528,7 @@ class RowState:
                 shape or with negative ids (checked when they are host data).
             TypeError: a settings entry that is not a RowSettings.
         """
-        start = _int(start, "start")
+        start = as_int(start, "start")
         b = len(settings)
         if b == 0:
             return
@@ -548,7 +568,8 @@ class RowState:
         Raises:
             IndexError: ``row`` outside ``[0, max_rows)``.
         """
-        self._clear(self._row(row))
+        row = self._row(row)
+        self._clear(slice(row, row + 1))
 
     def move_row(self, src: int, dst: int) -> None:
         """Move row ``src``'s request (settings, count, presence, output, flags) to row ``dst`` and clear
@@ -564,22 +585,22 @@ class RowState:
             t = getattr(self, name)
             t[dst].copy_(t[src])
         self._settings[dst] = self._settings[src]
-        self._clear(src)
+        self._clear(slice(src, src + 1))
 
     # ---------------------------------------------------------------------------------------- helpers
     def _row(self, row) -> int:
-        row = _int(row, "row")
+        row = as_int(row, "row")
         if not 0 <= row < self.max_rows:
             raise IndexError(f"row {row} is outside the {self.max_rows} rows of this RowState")
         return row
 
-    def _clear(self, row: int) -> None:
+    def _clear(self, rows: slice) -> None:
         for name, value in _CLEARED.items():
-            getattr(self, name)[row] = value
-        self.eos[row] = -1
-        self.presence[row] = False
-        self.out[row] = 0
-        self._settings[row] = None
+            getattr(self, name)[rows] = value
+        self.eos[rows] = -1
+        self.presence[rows] = False
+        self.out[rows] = 0
+        self._settings[rows] = [None] * (rows.stop - rows.start)
 
     def _upload(self, dst: torch.Tensor, values, dtype: torch.dtype) -> None:
         src = torch.tensor(values, dtype=dtype)
@@ -617,8 +638,10 @@ class RowState:
         if t.device.type == "cpu" and t.numel() and bool((t < 0).any()):
             raise GenerationSettingError(f"{what} holds negative values (smallest {int(t.min())})",
                                          setting=what, value=int(t.min()))
-        if t.device != self.device:
-            t = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t.to(self.device)
+        if t.device.type == "cpu" and self.device.type == "cuda":  # async, in stream order
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        elif t.device != self.device:
+            t = t.to(self.device)
         return t.to(torch.int64)
 
     def _presence(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
