@@ -76,6 +76,11 @@ def test_prepared_configs_of_supported_calls_have_no_unsupported_setting(gen):
         RowSettings.from_generation_config(config, ids.shape[1], seed=1)
 
 
+def test_sampling_only_warpers_do_not_matter_when_greedy():
+    assert unsupported_settings(GenerationConfig(typical_p=0.5, epsilon_cutoff=0.1, top_h=0.4)) == []
+    assert unsupported_settings(GenerationConfig(do_sample=True, typical_p=0.5, top_h=0.4)) == ["top_h", "typical_p"]
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(num_beams=2), "num_beams"),
     (dict(do_sample=True, typical_p=0.9), "typical_p"),

@@ -94,10 +94,6 @@ class UnsupportedGenerationSetting(GenerationSettingError):
 _UNSUPPORTED: tuple[tuple[str, object], ...] = (
     ("num_beams", lambda v: v is not None and v != 1),
     ("penalty_alpha", lambda v: v is not None and v > 0),
-    ("top_h", lambda v: v is not None),
-    ("typical_p", lambda v: v is not None and v < 1.0),
-    ("epsilon_cutoff", lambda v: v is not None and 0.0 < v < 1.0),
-    ("eta_cutoff", lambda v: v is not None and 0.0 < v < 1.0),
     ("no_repeat_ngram_size", lambda v: v is not None and v > 0),
     ("bad_words_ids", lambda v: v is not None),
     ("sequence_bias", lambda v: v is not None),
@@ -121,6 +117,13 @@ _UNSUPPORTED: tuple[tuple[str, object], ...] = (
     ("constraints", lambda v: v is not None),
     ("force_words_ids", lambda v: v is not None),
 )
+# warpers transformers applies only when sampling
+_UNSUPPORTED_WHEN_SAMPLING: tuple[tuple[str, object], ...] = (
+    ("top_h", lambda v: v is not None),
+    ("typical_p", lambda v: v is not None and v < 1.0),
+    ("epsilon_cutoff", lambda v: v is not None and 0.0 < v < 1.0),
+    ("eta_cutoff", lambda v: v is not None and 0.0 < v < 1.0),
+)
 
 
 def unsupported_settings(config) -> list[str]:
@@ -131,7 +134,8 @@ def unsupported_settings(config) -> list[str]:
     min_length, max_new_tokens, max_length, eos_token_id (up to ``max_eos`` ids), pad_token_id. Settings
     that only shape generate()'s outputs (output_scores, return_dict_in_generate, ...) are the caller's.
     """
-    return [name for name, active in _UNSUPPORTED if active(getattr(config, name, None))]
+    checks = _UNSUPPORTED + (_UNSUPPORTED_WHEN_SAMPLING if getattr(config, "do_sample", None) else ())
+    return [name for name, active in checks if active(getattr(config, name, None))]
 
 
 def _int(value, what: str) -> int:
