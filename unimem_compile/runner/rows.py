@@ -261,7 +261,7 @@ class RowSettings:
             prompt_len: tokens of the row's ``input_ids`` as generate() sees it (its width: left padding
                 and a passed conversation included), for ``max_length`` / ``min_length``.
             seed: the row's seed; drawn from torch's default CPU generator (:func:`draw_seeds`) when None
-                and the row samples; 0 when greedy (greedy rows never consume the generator).
+                and the row samples; ignored (0) when greedy, so greedy rows never consume the generator.
 
         Length rules (transformers' ``_prepare_generated_length``): ``max_new_tokens`` wins over
         ``max_length``; a ``max_length`` left None means 20 new tokens (generate() also caps that at
@@ -309,11 +309,10 @@ class RowSettings:
         if not do_sample:  # transformers applies no warper when greedy: keep the row's warpers neutral
             return cls(do_sample=False, repetition_penalty=get("repetition_penalty"), min_new_tokens=min_new,
                        max_new_tokens=max_new, eos_token_ids=eos, pad_token_id=pad, seed=0)
-        top_k = get("top_k")
         return cls(
             do_sample=True,
             temperature=get("temperature"),
-            top_k=top_k,
+            top_k=get("top_k"),
             top_p=get("top_p"),
             min_p=0.0 if config.min_p is None else config.min_p,
             repetition_penalty=get("repetition_penalty"),

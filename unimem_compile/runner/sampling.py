@@ -29,7 +29,12 @@ multiplication by the float32 reciprocal (ATen's ``div_true_kernel_cuda``), so o
 by ``inv_temperature`` / ``inv_penalty``; and ``top_p_cut`` holds ``float32(1 - top_p)`` computed in
 float64, as torch compares a float32 tensor with the Python float ``1 - top_p``. One sort serves top-k and
 top-p: masking the sorted scores below the top-k threshold yields exactly the tensor transformers' top-p
-sorts (the masked prefix is all ``-inf``, the rest in the same order), under a stable sort.
+sorts (the masked prefix is all ``-inf``, the rest in the same order). The sort is stable; transformers'
+(``stable=False``) may order exactly tied scores differently, which shows only when top-p cuts through a
+group of ties (the CPU sort orders ties by index, so the CPU tests with bf16-rounded logits pass bitwise).
+
+Cost with ``sampling=True``: one stable sort of ``[n, V]`` float32 and one Philox block per two vocabulary
+ids per row, per step; ``sampling=False`` does neither.
 
 Sampling is the Gumbel-max trick with counter-based noise (:mod:`.rng`): ``argmax(scores + G)`` with
 ``G[r, v] = gumbel(seed[r], count[r], v)``, in float64. A row's token depends only on its scores, its seed
