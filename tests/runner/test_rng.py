@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from unimem_compile.runner import draw_seeds
-from unimem_compile.runner.rng import gumbel, philox4x32, uniforms
+from unimem_compile.runner.rng import _unit, gumbel, philox4x32, uniforms
 
 # Random123 kat_vectors, "philox4x32 10": counter[4], key[2] -> output[4]
 KNOWN_ANSWERS = [
@@ -32,7 +32,7 @@ def uniform_reference(seed, t, v):
     s = seed & (2**64 - 1)
     w = philox_reference((v // 2, t, 0, 0), (s & 0xFFFFFFFF, s >> 32))
     hi, lo = (w[0], w[1]) if v % 2 == 0 else (w[2], w[3])
-    return ((hi << 21 | lo >> 11) + 0.5) * 2.0**-53
+    return ((hi << 20 | lo >> 12) + 0.5) * 2.0**-52
 
 
 def test_philox_matches_random123_known_answers():
@@ -51,6 +51,12 @@ def test_uniforms_match_the_integer_definition():
                         dtype=torch.float64)
     assert got.dtype == torch.float64 and torch.equal(got, want)
     assert bool((got > 0).all() and (got < 1).all())
+
+
+def test_uniforms_stay_inside_the_open_interval_at_the_extreme_words():
+    top = torch.tensor([0xFFFFFFFF])
+    assert float(_unit(top, top)) == 1 - 2.0**-53 and float(_unit(top * 0, top * 0)) == 2.0**-53
+    assert torch.isfinite(-torch.log(-torch.log(_unit(top, top))))
 
 
 def test_uniforms_of_a_row_ignore_the_other_rows(gen):

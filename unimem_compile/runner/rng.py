@@ -9,8 +9,9 @@ The generator is Philox4x32-10 (Salmon, Moraes, Dror & Shaw, "Parallel Random Nu
 3", SC 2011; the constants and key schedule of the Random123 library, whose known-answer vectors
 tests/runner/test_rng.py checks). With the row's 64-bit seed as the key ``(seed_lo, seed_hi)`` and the
 counter ``(v // 2, t, 0, 0)``, one block of four 32-bit words gives two uniforms: words 0-1 for the even id
-``v``, words 2-3 for the odd one. Each uniform keeps 53 random bits (the float64 mantissa):
-``u = ((w_hi << 21 | w_lo >> 11) + 0.5) * 2**-53``, strictly inside ``(0, 1)``.
+``v``, words 2-3 for the odd one. Each uniform keeps 52 random bits: ``u = ((w_hi << 20 | w_lo >> 12) + 0.5)
+* 2**-52``, exact in float64 and strictly inside ``(0, 1)`` (with 53 bits, ``2**53 - 0.5`` would round up to
+``u = 1`` and an infinite Gumbel variable).
 
 Why 32-bit words in int64 tensors: torch has no unsigned 64-bit arithmetic (``uint64`` lacks add and
 shifts), and a wrapping int64 multiply is signed overflow, undefined in the C++ Inductor generates on a
@@ -66,9 +67,9 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 
 def _unit(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """53 bits of two 32-bit words as a float64 in ``(0, 1)``."""
-    bits = (hi << 21) | (lo >> 11)  # < 2**53
-    return (bits.to(torch.float64) + 0.5) * (2.0**-53)
+    """52 bits of two 32-bit words as a float64 in ``(0, 1)``: ``[2**-53, 1 - 2**-53]``."""
+    bits = (hi << 20) | (lo >> 12)  # < 2**52, so adding 0.5 is exact
+    return (bits.to(torch.float64) + 0.5) * (2.0**-52)
 
 
 def uniforms(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -96,8 +97,8 @@ def gumbel(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
 
     With it, ``argmax(logits + noise)`` is a draw from ``softmax(logits)`` (the Gumbel-max trick: Gumbel
     1954; Maddison, Tarlow & Minka, "A* Sampling", NeurIPS 2014); entries at ``-inf`` are never drawn.
-    The 53-bit uniforms bound the noise to about ``[-3.6, 37.4]``, which changes a draw's probability only
-    through events of probability below ``1e-16`` per (row, token).
+    The 52-bit uniforms bound the noise to ``[-3.61, 36.74]``, which changes a draw's probability only
+    through events of probability below ``1e-15`` per (row, vocabulary id).
     """
     return -torch.log(-torch.log(uniforms(seed, index, vocab)))
 
