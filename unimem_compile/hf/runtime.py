@@ -319,9 +319,11 @@ def _prepare_inputs_for_generation(model, handle: UnimemHandle):
             handle.check_own(cache)
             if input_ids.device != pool.device:
                 raise UnsupportedModel(f"input_ids are on {input_ids.device} but the pool is on {pool.device}")
-            cache.prepare_step(input_ids, kwargs.get("attention_mask"))
+            prepare = functools.partial(cache.prepare_step, input_ids, kwargs.get("attention_mask"))
             if handle.tensor_parallel is not None and env.debug():
-                handle.tensor_parallel.check_tables(pool, cache)
+                handle.tensor_parallel.agree_step(prepare, pool, cache)
+            else:
+                prepare()
         return original(input_ids, *args, **kwargs)
 
     return prepare_inputs_for_generation

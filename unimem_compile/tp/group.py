@@ -11,7 +11,10 @@ rank could otherwise fail alone and leave the others waiting in a collective:
   (a fraction of free memory resolves per rank: every rank takes the smallest).
 * each ``generate()`` call: the same exchange of the call's checks and a digest of its arguments, which also
   carries rank 0's random-number-generator states to every rank, so sampling draws the same tokens.
-* under ``UNIMEM_DEBUG=1``, every step: a digest of the pool's tables and the cache's page table and slots.
+* under ``UNIMEM_DEBUG=1``, every step: the outcome of the step's preparation (a rank whose pool is full
+  says so) and a digest of the pool's tables and the cache's page table and slots. Without it, a rank that
+  fails alone inside the generation loop leaves the others in the step's collectives until the default
+  group's own timeout (an exchange per step costs a host round trip the decode loop cannot afford).
 
 These exchanges run on a gloo group of the same ranks (CPU, ``all_gather_object``) with a timeout of
 ``UNIMEM_TP_TIMEOUT`` seconds (default 300), apart from the default group that the model's collectives
@@ -68,6 +71,7 @@ class TensorParallel:
             UnsupportedModel: torch.distributed is not available or its default process group is not
                 initialised.
             ValueError: ``UNIMEM_TP_TIMEOUT`` is not a positive number of seconds.
+            RankMismatch: the other ranks did not call it within ``UNIMEM_TP_TIMEOUT`` seconds.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise UnsupportedModel(
@@ -75,7 +79,13 @@ class TensorParallel:
                 "rank (torchrun --nproc-per-node N ...) and call torch.distributed.init_process_group() "
                 "(backend 'nccl' for CUDA models, 'gloo' for CPU models) before compile()")
         timeout = env.tp_timeout_s()
-        checks = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        try:
+            checks = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # the store's wait timeout (DistStoreError is a RuntimeError)
+            raise RankMismatch(
+                f"compile(tensor_parallel=True): rank {dist.get_rank()} waited {timeout:g} s ({env.TP_TIMEOUT}) for "
+                f"all {dist.get_world_size()} ranks to enter compile() and they did not: a rank failed or stopped "
+                f"before it, or the ranks do not run the same program ({type(e).__name__}: {e})") from e
         return cls(dist.group.WORLD, checks, dist.get_rank(), dist.get_world_size(), timeout)
 
     # ------------------------------------------------------------------ the exchange every check uses
@@ -121,7 +131,7 @@ class TensorParallel:
         """RankMismatch (on every rank alike) naming what differs between any rank's payload and rank 0's."""
         problems = []
         for r, payload in enumerate(payloads[1:], 1):
-            problems += [f"rank {r}'s {d}" for d in _differences(payloads[0], payload)]
+            problems += [f"rank {r}'s {d}" for d in _differences(payloads[0], payload, r)]
         if problems:
             raise RankMismatch(f"{step}: the ranks differ: " + "; ".join(problems[:6])
                                + ("; ..." if len(problems) > 6 else "")
@@ -204,15 +214,18 @@ class TensorParallel:
         _set_rng_states(payloads[0]["rng"], device)
         return call
 
-    def check_tables(self, pool, cache) -> None:
-        """``UNIMEM_DEBUG=1``: agree with every rank on a digest of the pool's tables and ``cache``'s page
-        table, lengths and slots after a step was prepared (every rank must allocate the same ids).
+    def agree_step(self, prepare: Callable[[], None], pool, cache) -> None:
+        """``UNIMEM_DEBUG=1``: run ``prepare`` (the cache's eager step preparation) and agree with every rank
+        on its outcome and on a digest of the pool's tables and ``cache``'s page table, lengths and slots
+        afterwards: every rank must allocate the same ids. A rank whose preparation fails (a full pool) is
+        then reported to the others instead of leaving them in the step's collectives.
 
         Raises:
-            RankMismatch: a rank's tables differ from rank 0's."""
-        _, payloads = self.agree("a step's page tables (UNIMEM_DEBUG=1)", lambda: (None, {
-            "page tables": table_digest(pool, cache)}))
-        self._require_same("a step's page tables (UNIMEM_DEBUG=1)", payloads)
+            what ``prepare`` raised (this rank); RankMismatch: another rank's preparation failed, or a
+                rank's tables differ from rank 0's."""
+        step = "a step's page tables (UNIMEM_DEBUG=1)"
+        _, payloads = self.agree(step, lambda: (prepare(), {"page tables": table_digest(pool, cache)}))
+        self._require_same(step, payloads)
 
 
 # ---------------------------------------------------------------------------------------------- digests
@@ -247,20 +260,29 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _differences(ref: dict, other: dict) -> list[str]:
-    """What differs between two payloads, each entry naming the key and, for dicts, the first sub-keys."""
+#: payload keys that hold a digest: a difference is named, the hashes are not shown
+_DIGESTS = ("arguments", "page tables")
+
+
+def _differences(ref: dict, other: dict, rank: int) -> list[str]:
+    """What differs between rank 0's payload ``ref`` and rank ``rank``'s ``other``, one entry per key (for
+    dicts, the first three differing sub-keys with both values)."""
     out = []
     for key in ref:
         a, b = ref[key], other.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
+        if key in _DIGESTS:
+            if a != b:
+                out.append(f"{key} differ from rank 0's")
+        elif isinstance(a, dict) and isinstance(b, dict):
             keys = [k for k in {**a, **b} if not _same(a.get(k), b.get(k))]
             if keys:
-                shown = ", ".join(f"{k} ({a.get(k)!r} on rank 0, {b.get(k)!r} here)" if key != "weights" else k
+                shown = ", ".join(k if key == "weights" else
+                                  f"{k} ({_short(a.get(k))} on rank 0, {_short(b.get(k))} on rank {rank})"
                                   for k in keys[:3])
-                out.append(f"{key} differ{'s' if key == 'config' else ''} in {len(keys)} entr"
-                           f"{'y' if len(keys) == 1 else 'ies'}: {shown}" + (", ..." if len(keys) > 3 else ""))
+                out.append(f"{key} differ in {len(keys)} entr{'y' if len(keys) == 1 else 'ies'}: {shown}"
+                           + (", ..." if len(keys) > 3 else ""))
         elif not _same(a, b):
-            out.append(f"{key} differs ({_short(a)} on rank 0, {_short(b)} here)")
+            out.append(f"{key} differs ({_short(a)} on rank 0, {_short(b)} on rank {rank})")
     return out
 
 
