@@ -36,6 +36,21 @@ def _identity(module, args, output):
     return output
 
 
+def _model(name):
+    """A preset, or ``deepseek-v2-tiny``: the DeepSeek-V3 tiny sizes in transformers' DeepSeek-V2 classes."""
+    if name != "deepseek-v2-tiny":
+        return build_model(name)
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    sizes = {k: getattr(model_config("deepseek-v3-tiny"), k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+        "first_k_dense_replace")}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(DeepseekV2Config(**sizes, n_group=1, topk_group=1)).eval()
+
+
 def _ranks(model):
     """The model cut for each of WORLD ranks with identity hooks (each rank's output stays partial)."""
     plan = plan_model(model, WORLD)
@@ -99,9 +114,9 @@ def _attention_output(model, i, hidden):
 
 
 @pytest.mark.parametrize("name, kind", [("kimi-linear-tiny", "mla"), ("kimi-linear-tiny", "kda"),
-                                        ("deepseek-v3-tiny", "mla")])
+                                        ("deepseek-v3-tiny", "mla"), ("deepseek-v2-tiny", "mla")])
 def test_attention_partial_outputs_add_up_to_the_full_output(name, kind, gen):
-    model = build_model(name)
+    model = _model(name)
     _, shards = _ranks(model)
     i = _first(model, kind)
     hidden = torch.randn(2, 7, model.config.hidden_size, generator=gen)
@@ -116,9 +131,10 @@ def test_attention_partial_outputs_add_up_to_the_full_output(name, kind, gen):
 
 
 @pytest.mark.parametrize("name, kind", [("kimi-linear-tiny", "dense"), ("kimi-linear-tiny", "moe"),
-                                        ("deepseek-v3-tiny", "dense"), ("deepseek-v3-tiny", "moe")])
+                                        ("deepseek-v3-tiny", "dense"), ("deepseek-v3-tiny", "moe"),
+                                        ("deepseek-v2-tiny", "moe")])
 def test_mlp_partial_outputs_add_up_to_the_full_output(name, kind, gen):
-    model = build_model(name)
+    model = _model(name)
     _, shards = _ranks(model)
     i = _first(model, kind)
     hidden = torch.randn(2, 5, model.config.hidden_size, generator=gen)

@@ -52,7 +52,7 @@ class TensorParallel:
         rank, world_size: this rank and the number of ranks (the tensor-parallel degree).
         timeout_s: seconds a host-side check waits for the other ranks.
         plan: the :class:`~unimem_compile.tp.plan.TensorParallelPlan` applied to the model (None before
-            :meth:`shard`).
+            :meth:`plan_for`).
     """
 
     group: Any
