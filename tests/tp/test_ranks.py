@@ -117,6 +117,16 @@ def test_rewrites_still_match_on_local_heads(ranks):
     assert ranks[0]["good:kimi-linear-tiny"]["local_config"]["linear_num_heads"] == 2
 
 
+def test_the_collectives_are_inside_the_compiled_graphs(ranks):
+    """deepseek-v3-tiny: one all-reduce after each attention and each MLP / MoE block of its 3 layers and one
+    all-gather of the logits, in the prefill graph and in the decode graph alike."""
+    for r in ranks:
+        graphs = r["collectives_in_graphs"]["graphs"]
+        assert len(graphs) == 2  # prefill and decode
+        for counts in graphs.values():
+            assert counts == {"all_reduce": 6, "all_gather": 1, "wait": 7}
+
+
 def test_sampling_draws_the_same_tokens_on_every_rank(ranks):
     """The worker seeds each rank differently; generate() hands every rank rank 0's generator states."""
     for name in ("kimi-linear-tiny", "deepseek-v3-tiny"):

@@ -75,6 +75,19 @@ def good_run(name: str, rank: int, model) -> dict:
             "local_config": model.unimem.tensor_parallel.plan.summary()["local_config"]}
 
 
+def count_collectives(folder: str) -> dict:
+    """Per rewritten graph of ``folder`` (UNIMEM_DUMP_GRAPHS), how many all-reduces and all-gathers it calls."""
+    counts = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith("_after.py"):
+            with open(os.path.join(folder, name)) as f:
+                code = "\n".join(line for line in f if not line.lstrip().startswith("#"))  # not the source notes
+            counts[name] = {"all_reduce": code.count("_c10d_functional.all_reduce("),
+                            "all_gather": code.count("_c10d_functional.all_gather_into_tensor("),
+                            "wait": code.count("_c10d_functional.wait_tensor(")}
+    return {"graphs": counts}
+
+
 def diverged_tables(rank: int, model) -> dict:
     """UNIMEM_DEBUG=1 and rank 1 holding one extra state slot: its tables differ, every rank must raise."""
     ids, mask = prompts(model.config.vocab_size)
@@ -139,8 +152,14 @@ def main() -> int:
         results[scenario] = entry
 
     models = {name: compiled(build_model(name)) for name in ("kimi-linear-tiny", "deepseek-v3-tiny")}
-    for name, model in models.items():
-        run(f"good:{name}", lambda name=name, model=model: good_run(name, rank, model))
+    run("good:kimi-linear-tiny", lambda: good_run("kimi-linear-tiny", rank, models["kimi-linear-tiny"]))
+    graphs = os.path.join(out_dir, f"graphs{rank}")
+    os.environ["UNIMEM_DUMP_GRAPHS"] = graphs  # the DeepSeek graphs, to count the collectives inside them
+    try:
+        run("good:deepseek-v3-tiny", lambda: good_run("deepseek-v3-tiny", rank, models["deepseek-v3-tiny"]))
+    finally:
+        del os.environ["UNIMEM_DUMP_GRAPHS"]
+    run("collectives_in_graphs", lambda: count_collectives(graphs))
     model = models["kimi-linear-tiny"]
     run("diverged_tables", lambda: diverged_tables(rank, model))
     run("full_pool_on_rank1", lambda: full_pool_on_rank1(rank, model))
