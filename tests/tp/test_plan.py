@@ -320,6 +320,10 @@ def test_call_digests_compare_contents_not_identities(gen):
     assert a == b
     assert a != call_digest((ids + 1,), {"max_new_tokens": 4, "logits_processor": [StepClock(torch.device("cpu"))]})
     assert a != call_digest((ids,), {"max_new_tokens": 5, "logits_processor": [StepClock(torch.device("cpu"))]})
+    from transformers import GenerationConfig
+
+    assert call_digest((GenerationConfig(do_sample=True),), {}) != call_digest((GenerationConfig(),), {})
+    assert call_digest((GenerationConfig(top_k=5),), {}) == call_digest((GenerationConfig(top_k=5),), {})
 
 
 def test_differences_name_what_differs():

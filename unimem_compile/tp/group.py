@@ -193,8 +193,9 @@ class TensorParallel:
     # ------------------------------------------------------------------ generate
     def agree_generate(self, check: Callable[[], Any], args: tuple, kwargs: dict, device: torch.device):
         """Run generate()'s local ``check`` (it returns the checked call), then agree with every rank on its
-        outcome and on a digest of the call's arguments; every rank then takes rank 0's random-number
-        generator states (CPU and ``device``), so sampled tokens are the same on every rank.
+        outcome and on a digest of the call's arguments and the model's ``generation_config``; every rank
+        then takes rank 0's random-number generator states (CPU and ``device``), so sampled tokens are the
+        same on every rank.
 
         Raises:
             what ``check`` raised (this rank); RankMismatch (another rank failed its check, or was called
@@ -202,7 +203,9 @@ class TensorParallel:
         """
         def run():
             call = check()
-            return call, {"arguments": call_digest(args, kwargs), "rng": _rng_states(device)}
+            # the model's own generation_config too: generate() falls back on it for what the call leaves out
+            digest = call_digest((args, kwargs, getattr(call.model, "generation_config", None)), {})
+            return call, {"arguments": digest, "rng": _rng_states(device)}
 
         call, payloads = self.agree("generate()", run)
         try:
