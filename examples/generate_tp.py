@@ -48,8 +48,9 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds the default process group's collectives wait for a missing rank (default 120)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the default process group's collectives wait for a late rank (default 600: "
+                        "ranks compile their graphs at different speeds before the first collective)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the one-process stock transformers run (tokens_match is then null)")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line")
