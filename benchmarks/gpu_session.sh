@@ -7,6 +7,8 @@
 #   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep
 #          demo_real bench_passes bench_state_passes bench_generate
+#          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
+#          over NCCL; NVLink multicast off)
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -54,6 +56,13 @@ for s in "$@"; do
     bench_state_passes) run_step bench_state_passes 150 python3 -P benchmarks/bench_state_passes.py --cudagraphs --batches 32 --out "$OUT/json/state_passes.json" ;;
     bench_generate) run_step bench_generate "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --out /tmp/gen \
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate.json" ;;
+    bench_tp) run_step bench_tp_1 "${TP_LIMIT:-290}" python3 -P benchmarks/bench_tp.py --out "$OUT/json/tp1.json" \
+                --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))"
+              run_step bench_tp_2 "${TP_LIMIT:-290}" env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+                NVSHMEM_DISABLE_NVLS=1 python3 -P -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py \
+                --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
+    tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+                  python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac
 done
