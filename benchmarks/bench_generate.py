@@ -238,7 +238,9 @@ class HandLoop:
             self.out.index_copy_(1, self.index, token[:, None])
             self.index.add_(1)
 
-        self.step = torch.compile(step, backend=backend, fullgraph=True)
+        # graph breaks (transformers binds flash-linear-attention's kernels when it is installed) cost nothing
+        # here: the capture records every kernel of the step whatever Dynamo made of it
+        self.step = torch.compile(step, backend=backend)
         self.graph = None
 
     def _prefill(self, ids: torch.Tensor) -> None:

@@ -23,14 +23,37 @@ PAGE = 8
 MAX_SEQ = 96
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def pair(request):
+def compiled_pair(family):
     """(stock model, unimem-compiled model with the same weights), aot_eager; buckets 1, 2, 4, 6."""
-    stock = build_model(request.param)
-    model = build_model(request.param)
+    stock = build_model(family)
+    model = build_model(family)
     unimem_compile.compile(model, max_batch_size=6, max_seq_len=MAX_SEQ, page_size=PAGE, backend="aot_eager")
     assert model.unimem.runner.buckets == (1, 2, 4, 6)
     return stock, model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request):
+    """Both families, for the token-identity tests."""
+    return compiled_pair(request.param)
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    """One family for the tests of the runner's own behaviour (the cheaper model: no linear-attention layers)."""
+    return compiled_pair("deepseek-v3-tiny")
+
+
+_stock_runs: dict = {}
+
+
+def stock_generate(stock, ids, mask, **kw):
+    """Stock generate(), computed once per model and arguments in this module (the tests compare several
+    runner settings with the same stock output)."""
+    key = (id(stock), ids.numpy().tobytes(), None if mask is None else mask.numpy().tobytes(), repr(sorted(kw.items())))
+    if key not in _stock_runs:
+        _stock_runs[key] = generate(stock, ids, mask, **kw)
+    return _stock_runs[key]
 
 
 def generate(model, ids, mask, **kw):
@@ -38,9 +61,11 @@ def generate(model, ids, mask, **kw):
         return model.generate(ids, attention_mask=mask, **kw)
 
 
-def eos_mid_run(stock, ids, mask, steps):
-    """Two tokens the model generates mid-run in different rows: as EOS ids they end those rows early."""
-    free = generate(stock, ids, mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)[:, ids.shape[1]:]
+def eos_mid_run(stock, ids, mask, steps, **kw):
+    """Two tokens the model generates mid-run in different rows (under the settings ``kw``): as EOS ids they
+    end those rows early."""
+    free = stock_generate(stock, ids, mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          **kw)[:, ids.shape[1]:]
     return [int(free[0, 3]), int(free[-1, 5])]
 
 
@@ -48,16 +73,17 @@ def eos_mid_run(stock, ids, mask, steps):
 def test_greedy_tokens_equal_stock_with_eos_lists_min_new_tokens_and_a_penalty(pair, k):
     stock, model = pair
     ids, mask = left_padded([11, 4, 9], torch.Generator().manual_seed(1), 1024)  # 3 rows: bucket 4, one padded
-    eos = eos_mid_run(stock, ids, mask, 14)
+    eos = eos_mid_run(stock, ids, mask, 14, repetition_penalty=1.3)
     kw = dict(max_new_tokens=14, do_sample=False, eos_token_id=eos, pad_token_id=0, repetition_penalty=1.3)
     model.unimem.steps_ahead = k
     try:
         for extra in ({}, {"min_new_tokens": 6}):
-            want = generate(stock, ids, mask, **kw, **extra)
+            want = stock_generate(stock, ids, mask, **kw, **extra)
             got = generate(model, ids, mask, **kw, **extra)
             assert torch.equal(got, want), extra
             new = want[:, ids.shape[1]:]
-            assert bool(torch.isin(new[:, :-1], torch.tensor(eos)).any())  # a row ended while another ran
+            if not extra:  # a row ended while another ran (min_new_tokens 6 may hold every EOS back)
+                assert bool(torch.isin(new[:, :-1], torch.tensor(eos)).any())
     finally:
         model.unimem.steps_ahead = 8
     steps = {(s["bucket"], s["sampling"]) for s in model.unimem.runner_stats()["steps"]}
@@ -74,8 +100,8 @@ def test_a_continued_conversation_equals_stock_after_a_row_ended_early(pair):
     stock, model = pair
     key = _cache_kwarg(stock)
     ids, _ = left_padded([10, 10], torch.Generator().manual_seed(2), 1024)
-    eos = eos_mid_run(stock, ids, None, 9)
-    kw = dict(max_new_tokens=9, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    eos = eos_mid_run(stock, ids, None, 8)
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
     extra = torch.randint(3, 1024, (2, 4), generator=torch.Generator().manual_seed(3))
     dynamic, cache = DynamicCache(config=stock.config), model.unimem.new_cache(2)
     try:
@@ -85,8 +111,8 @@ def test_a_continued_conversation_equals_stock_after_a_row_ended_early(pair):
         assert bool((want1[:, ids.shape[1]:-1] == 0).any())  # a row was padded after its EOS
         turn2 = torch.cat([want1, extra], 1)
         ones = torch.ones_like(turn2)  # the pads after an EOS are tokens of the conversation now
-        want2 = generate(stock, turn2, ones, max_new_tokens=5, do_sample=False, **{key: dynamic})
-        got2 = generate(model, turn2, ones, max_new_tokens=5, do_sample=False, **{key: cache})
+        want2 = generate(stock, turn2, ones, max_new_tokens=3, do_sample=False, **{key: dynamic})
+        got2 = generate(model, turn2, ones, max_new_tokens=3, do_sample=False, **{key: cache})
         assert torch.equal(got2, want2)
         assert int(cache.get_seq_length()) == want2.shape[1] - 1
         held = model.unimem.stats()["kv_pages_used"]
@@ -134,13 +160,11 @@ class Recorder:
         self.ended = self.model.unimem.stats()["kv_pages_used"]
 
 
-def test_a_finished_row_stops_allocating_and_gives_back_its_reserved_pages():
+def test_a_finished_row_stops_allocating_and_gives_back_its_reserved_pages(deepseek):
     """Row 0 ends at its 2nd token, row 1 runs 40 tokens (page 8, K 8). Stock keeps writing row 0's pad
     tokens (its pages grow with row 1's); through the runner row 0 holds exactly ceil(length / 8) pages once
     the host has read that it finished, and at the end each row holds what its tokens need."""
-    stock = build_model("deepseek-v3-tiny")
-    model = unimem_compile.compile(build_model("deepseek-v3-tiny"), max_batch_size=2, max_seq_len=64,
-                                   page_size=PAGE, backend="aot_eager")
+    stock, model = deepseek
     ids = torch.randint(3, 1024, (2, 12), generator=torch.Generator().manual_seed(5))
     free = generate(stock, ids, None, max_new_tokens=40, min_new_tokens=40, do_sample=False)[:, 12:]
     eos = int(free[0, 1])
@@ -162,8 +186,8 @@ def test_a_finished_row_stops_allocating_and_gives_back_its_reserved_pages():
     assert model.unimem.stats()["kv_pages_used"] == 0
 
 
-def test_sampled_tokens_repeat_under_manual_seed_and_do_not_depend_on_batch_mates(pair):
-    _, model = pair
+def test_sampled_tokens_repeat_under_manual_seed_and_do_not_depend_on_batch_mates(deepseek):
+    _, model = deepseek
     g = torch.Generator().manual_seed(6)
     a, b, c = (torch.randint(3, 1024, (1, 9), generator=g) for _ in range(3))
     kw = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=8, min_new_tokens=8)
@@ -181,7 +205,7 @@ def test_sampled_tokens_repeat_under_manual_seed_and_do_not_depend_on_batch_mate
     assert twice.shape == (4, 17)
 
 
-def test_a_user_logits_processor_runs_transformers_loop_and_says_so(pair, caplog):
+def test_a_user_logits_processor_runs_transformers_loop_and_says_so(deepseek, caplog):
     from transformers import LogitsProcessor
 
     from unimem_compile.runner import generate as runner_generate
@@ -191,26 +215,26 @@ def test_a_user_logits_processor_runs_transformers_loop_and_says_so(pair, caplog
             scores[:, 7] = -float("inf")
             return scores
 
-    stock, model = pair
+    stock, model = deepseek
     ids, mask = left_padded([6, 8], torch.Generator().manual_seed(7), 1024)
     runner_generate._said.clear()
     with caplog.at_level(logging.INFO, logger="unimem_compile.runner.generate"):
         for _ in range(2):
             got = generate(model, ids, mask, max_new_tokens=5, do_sample=False, logits_processor=[NoToken7()])
+        said = [r.getMessage() for r in caplog.records if "decode runner" in r.getMessage()]
+        out = generate(model, ids, mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                       output_scores=True)
     assert torch.equal(got, generate(stock, ids, mask, max_new_tokens=5, do_sample=False,
                                      logits_processor=[NoToken7()]))
-    said = [r.getMessage() for r in caplog.records if "decode runner" in r.getMessage()]
     assert len(said) == 1 and "NoToken7" in said[0] and "logits_processor" in said[0]
-    out = generate(model, ids, mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                   output_scores=True)
     assert len(out.scores) == 3  # transformers' loop recorded them
     assert any("output_scores=True" in r.getMessage() for r in caplog.records)
 
 
-def test_return_dict_in_generate_gives_transformers_output_and_the_cache(pair):
+def test_return_dict_in_generate_gives_transformers_output_and_the_cache(deepseek):
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    stock, model = pair
+    stock, model = deepseek
     ids, mask = left_padded([5, 7], torch.Generator().manual_seed(8), 1024)
     out = generate(model, ids, mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out, GenerateDecoderOnlyOutput) and out.scores is None
@@ -220,7 +244,7 @@ def test_return_dict_in_generate_gives_transformers_output_and_the_cache(pair):
 
 
 def test_capture_up_front_and_the_runner_knobs_are_checked():
-    model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=3, max_seq_len=32,
+    model = unimem_compile.compile(build_model("deepseek-v3-tiny"), max_batch_size=3, max_seq_len=32,
                                    page_size=PAGE, backend="aot_eager")
     handle = model.unimem
     assert handle.runner.buckets == (1, 2, 3) and handle.steps_ahead == 8

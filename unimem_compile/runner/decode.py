@@ -6,8 +6,8 @@ the decode steps of a batch itself. One step is one function, compiled once per 
 ``cudagraphs`` on, captured in ONE ``torch.cuda.CUDAGraph`` per (bucket, sampling on / off):
 
 1. each row's write location and position from its ``kv_len`` and the device page table
-   (``page_table[b, kv_len // ps] * ps + kv_len % ps``; -1 for a row that writes nothing), ``kv_len += 1``
-   for the rows that write;
+   (``page_table[b, kv_len // ps] * ps + kv_len % ps``; -1 for a row that writes nothing, whose state slot
+   is -1 for the step too), ``kv_len += 1`` for the rows that write;
 2. the model's forward for one token per row (the rewritten graph: latent write, ``mla_decode``, in-place
    KDA and conv state updates), over the bucket's own step buffers;
 3. logits processing, sampling, appending the token and the per-row finished flags
@@ -151,6 +151,7 @@ class _Bucket:
     buffers: object  # StepBuffers
     cache: object  # UnifiedCache over `buffers`
     pads_after_finish: torch.Tensor  # bool [size]
+    slots: torch.Tensor  # int64 [size]: the call's slots; a step hands the ops -1 for rows that write nothing
     uploads: dict[str, StagedUpload]
     graphs: dict[bool, object] = dataclasses.field(default_factory=dict)  # sampling -> CUDAGraph or None
     stats: dict[bool, StepGraphStats] = dataclasses.field(default_factory=dict)
@@ -255,7 +256,7 @@ class DecodeRunner:
         for bucket in self._buckets.values():
             buf = bucket.buffers
             tensors += [buf.page_table, buf.kv_len, buf.out_offset, buf.slot_ids, buf.decode_loc,
-                        bucket.pads_after_finish, bucket.cache.seq_length]
+                        bucket.pads_after_finish, bucket.slots, bucket.cache.seq_length]
         state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         return {"steps": steps, "graph_bytes": sum(s["graph_bytes"] for s in steps), "state_bytes": state_bytes,
                 "captures": self.capture_graphs, "steps_ahead": self._steps_ahead}
@@ -282,10 +283,11 @@ class DecodeRunner:
                 cache._orphan_watch.detach()  # holds no pages or slots: nothing to reclaim
                 cache.seq_length = torch.zeros((), dtype=torch.int64, device=self.device)
                 pads = torch.zeros(size, dtype=torch.bool, device=self.device)
+                slots = torch.full((size,), -1, dtype=torch.int64, device=self.device)
             uploads = {name: StagedUpload(t) for name, t in (
                 ("page_table", buffers.page_table), ("kv_len", buffers.kv_len), ("out_offset", buffers.out_offset),
-                ("slot_ids", buffers.slot_ids), ("pads_after_finish", pads))}
-            self._buckets[size] = _Bucket(size, buffers, cache, pads, uploads)
+                ("slots", slots), ("pads_after_finish", pads))}
+            self._buckets[size] = _Bucket(size, buffers, cache, pads, slots, uploads)
         return self._buckets[size]
 
     def _step(self):
@@ -303,7 +305,7 @@ class DecodeRunner:
         # transformers 5.24 names the forward's cache argument `cache`, 5.17 `past_key_values`
         cache_kwarg = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
-        def step(cache, pads_after_finish, rows, sampling):
+        def step(cache, pads_after_finish, slots, rows, sampling):
             buffers = cache.buffers
             kv_len = buffers.kv_len
             live = ~rows.finished
@@ -311,6 +313,8 @@ class DecodeRunner:
             # a finished row writes nothing, except in a cache the caller passed, where it keeps taking its
             # pad token while any row of the batch runs (what stock generate() stores)
             writes = live | (pads_after_finish & any_live)
+            # a row that writes nothing must not update its state either: slot -1 reads zeros, writes nothing
+            buffers.slot_ids.copy_(torch.where(writes, slots, -1))
             column = torch.div(kv_len, page_size, rounding_mode="floor").clamp(max=max_pages - 1).to(torch.int64)
             page = buffers.page_table.gather(1, column[:, None])[:, 0].to(torch.int64)
             offset = (kv_len % page_size).to(torch.int64)
@@ -334,7 +338,8 @@ class DecodeRunner:
 
         limit = max(RECOMPILE_LIMIT, 2 * len(self.buckets) + 4)  # one graph per (bucket, sampling)
         with self.handle.adapter.patched(), torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad():
-            self._step()(bucket.cache, bucket.pads_after_finish, self.state.view(bucket.size), sampling)
+            self._step()(bucket.cache, bucket.pads_after_finish, bucket.slots, self.state.view(bucket.size),
+                         sampling)
 
     def _make_inert(self, bucket: _Bucket) -> None:
         """Every row of the state cleared and the bucket's tables empty: a step then writes nothing (the
@@ -346,6 +351,7 @@ class DecodeRunner:
         buf.out_offset.zero_()
         buf.slot_ids.fill_(-1)
         buf.decode_loc.fill_(-1)
+        bucket.slots.fill_(-1)
         bucket.pads_after_finish.zero_()
         bucket.cache.seq_length.zero_()
 
@@ -521,7 +527,7 @@ class DecodeRunner:
         keep[:rows] = pads_after_finish
         up = bucket.uploads
         up["kv_len"](lengths)
-        up["slot_ids"](slots)
+        up["slots"](slots)
         up["out_offset"](pads)
         up["pads_after_finish"](keep)
         self._upload_table(bucket, cache.page_tables, rows)
