@@ -96,9 +96,9 @@ class StepGraphStats:
 
 
 class DecodeTiming:
-    """The decode runner's clock for one generate() call: marks at the end of the prefill and after each
-    block of replayed steps (CUDA events on the current stream, so nothing synchronises; ``perf_counter`` on
-    the CPU). Read it after the call.
+    """The decode runner's clock: marks at the end of a generate() call's prefill and after each block of
+    replayed steps (CUDA events on the current stream, so nothing synchronises; ``perf_counter`` on the
+    CPU), of the last call the runner decoded while it was set. Read it after the call.
 
     Attributes:
         marks: ``(decode steps run so far, mark)``; the first is the end of the prefill (0 steps).
@@ -107,6 +107,11 @@ class DecodeTiming:
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self.marks: list[tuple[int, object]] = []
+
+    def begin(self) -> None:
+        """A call's prefill ended: forget an earlier call's marks and mark now (0 steps)."""
+        self.marks.clear()
+        self.mark(0)
 
     def mark(self, steps: int) -> None:
         if self.cuda:
@@ -251,7 +256,6 @@ class DecodeRunner:
         ``{"steps": [StepGraphStats as dict, ...], "graph_bytes": int, "state_bytes": int,
         "captures": bool, "steps_ahead": int}`` (``state_bytes``: the row state and the buckets' buffers)."""
         steps = [dataclasses.asdict(s) for b in sorted(self._buckets) for s in self._buckets[b].stats.values()]
-        state_bytes = 0
         tensors = list(self._state.view(self._state.max_rows)) if self._state is not None else []
         for bucket in self._buckets.values():
             buf = bucket.buffers
@@ -274,6 +278,7 @@ class DecodeRunner:
 
     def _bucket(self, size: int) -> _Bucket:
         if size not in self._buckets:
+            # imported on use: the runner's core (rows, sampling, buckets) imports without transformers
             from ..hf.cache import UnifiedCache
             from ..hf.runtime import StepBuffers
 

@@ -96,7 +96,7 @@ class RunnerDecoding:
         outputs = model._prefill(input_ids, generation_config, model_kwargs)
         timing = self.runner.timing
         if timing is not None:
-            timing.mark(0)
+            timing.begin()
         logits = outputs.logits[:, -1]
         cache = next(model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None)
         del outputs
