@@ -10,8 +10,11 @@ patches the model INSTANCE (the class is untouched):
   before every forward and before transformers builds the attention mask;
 * ``model.generate`` checks the call (:func:`~.generate_checks.check_generate_call`), runs transformers'
   generate on the call's cache with ``disable_compile=True`` (transformers must not compile ``__call__``
-  behind our back), lets transformers read the stop flag one step late on a cache it creates (CUDA, 8+
-  rows; ``deferred_stop_check``), and frees that cache's pages and slots when generation returns;
+  behind our back) and the decode runner as its ``custom_generate`` (``handle.runner``, which
+  ``compile()`` attaches and this module calls without importing: the runner layer sits above this one;
+  it decodes the call or hands it back to transformers' ``_sample``), lets transformers read the stop flag
+  one step late on a cache it creates when its own loop runs (CUDA, 8+ rows; ``deferred_stop_check``),
+  and frees that cache's pages and slots when generation returns;
 * ``model.unimem`` is the :class:`UnimemHandle`: the pool, the step buffers every cache of a batch size
   shares, the queue of caches collected without ``release()``, and the lock that serialises generate()
   calls and everything that returns rows.
@@ -406,6 +409,13 @@ def _with_decode_runner(handle: UnimemHandle, call: GenerateCall) -> dict:
     if not handle.use_runner:
         runner.fallback("model.unimem.use_runner is False")
         return call.kwargs
+    # decoding modes transformers moved to Hub repos: with a custom_generate given it would skip them, and the
+    # runner's fallback is _sample; without one, transformers does what it always does with them
+    for name, active in (("penalty_alpha", lambda v: v is not None and v > 0),
+                         ("dola_layers", lambda v: v is not None)):
+        if active(call.setting(name)):
+            runner.fallback(f"{name}={call.setting(name)!r} (a decoding mode of its own)")
+            return call.kwargs
     method = runner.decoding_method(passed=call.passed, streamer=bound.get("streamer"),
                                     synced_gpus=bound.get("synced_gpus"))
     return {**call.kwargs, "custom_generate": method}

@@ -22,9 +22,9 @@ queued while the host reads. A row that finished gives back the pages it reserve
 steps queued after every row finished write nothing (the host stops after at most K of them).
 
 Everything a captured graph reads sits at a fixed address: the arena and the pool's tables, the
-:class:`~.rows.RowState` (settings, bookkeeping, tokens), and per bucket a :class:`~unimem_compile.hf.runtime.StepBuffers`
-that only the runner's graphs use, with a :class:`~unimem_compile.hf.cache.UnifiedCache` over it (the
-"graph cache" the forward is traced with). A call copies its cache's tables into the bucket's buffers
+:class:`~.rows.RowState` (settings, bookkeeping, tokens), and per bucket a
+:class:`~unimem_compile.hf.runtime.StepBuffers` that only the runner's graphs use, with a
+:class:`~unimem_compile.hf.cache.UnifiedCache` over it (the "graph cache" the forward is traced with). A call copies its cache's tables into the bucket's buffers
 before its first step (padded rows: no pages, slot -1, kv_len 0: the kernels read zeros and write
 nothing), so a graph never reads another call's tables.
 
