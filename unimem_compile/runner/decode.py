@@ -24,9 +24,9 @@ steps queued after every row finished write nothing (the host stops after at mos
 Everything a captured graph reads sits at a fixed address: the arena and the pool's tables, the
 :class:`~.rows.RowState` (settings, bookkeeping, tokens), and per bucket a
 :class:`~unimem_compile.hf.runtime.StepBuffers` that only the runner's graphs use, with a
-:class:`~unimem_compile.hf.cache.UnifiedCache` over it (the "graph cache" the forward is traced with). A call copies its cache's tables into the bucket's buffers
-before its first step (padded rows: no pages, slot -1, kv_len 0: the kernels read zeros and write
-nothing), so a graph never reads another call's tables.
+:class:`~unimem_compile.hf.cache.UnifiedCache` over it (the "graph cache" the forward is traced with). A
+call copies its cache's tables into the bucket's buffers before its first step (padded rows: no pages,
+slot -1, kv_len 0: the kernels read zeros and write nothing), so a graph never reads another call's tables.
 
 Without graph capture (a CPU model, ``cudagraphs=False``, or ``UNIMEM_DEBUG=1``, whose id checks
 synchronise) the same compiled step is called once per step; the schedule is the same.
@@ -157,6 +157,7 @@ class _Bucket:
     cache: object  # UnifiedCache over `buffers`
     pads_after_finish: torch.Tensor  # bool [size]
     slots: torch.Tensor  # int64 [size]: the call's slots; a step hands the ops -1 for rows that write nothing
+    input_ids: torch.Tensor  # int64 [size, 1]: the step's input tokens (a copy of the rows' last tokens)
     uploads: dict[str, StagedUpload]
     graphs: dict[bool, object] = dataclasses.field(default_factory=dict)  # sampling -> CUDAGraph or None
     stats: dict[bool, StepGraphStats] = dataclasses.field(default_factory=dict)
@@ -260,7 +261,7 @@ class DecodeRunner:
         for bucket in self._buckets.values():
             buf = bucket.buffers
             tensors += [buf.page_table, buf.kv_len, buf.out_offset, buf.slot_ids, buf.decode_loc,
-                        bucket.pads_after_finish, bucket.slots, bucket.cache.seq_length]
+                        bucket.pads_after_finish, bucket.slots, bucket.input_ids, bucket.cache.seq_length]
         state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         return {"steps": steps, "graph_bytes": sum(s["graph_bytes"] for s in steps), "state_bytes": state_bytes,
                 "captures": self.capture_graphs, "steps_ahead": self._steps_ahead}
@@ -289,10 +290,11 @@ class DecodeRunner:
                 cache.seq_length = torch.zeros((), dtype=torch.int64, device=self.device)
                 pads = torch.zeros(size, dtype=torch.bool, device=self.device)
                 slots = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+                input_ids = torch.zeros(size, 1, dtype=torch.int64, device=self.device)
             uploads = {name: StagedUpload(t) for name, t in (
                 ("page_table", buffers.page_table), ("kv_len", buffers.kv_len), ("out_offset", buffers.out_offset),
                 ("slots", slots), ("pads_after_finish", pads))}
-            self._buckets[size] = _Bucket(size, buffers, cache, pads, slots, uploads)
+            self._buckets[size] = _Bucket(size, buffers, cache, pads, slots, input_ids, uploads)
         return self._buckets[size]
 
     def _step(self):
@@ -310,26 +312,33 @@ class DecodeRunner:
         # transformers 5.24 names the forward's cache argument `cache`, 5.17 `past_key_values`
         cache_kwarg = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
-        def step(cache, pads_after_finish, slots, rows, sampling):
+        # keyword arguments, as the compiled forward gets them: the graph's inputs then have the forward graph's
+        # names (``kwargs_cache_...``, ``kwargs_input_ids``), which the pass manager and graph dumps read
+        def step(**kwargs):
+            cache, rows, sampling = kwargs["cache"], kwargs["rows"], kwargs["sampling"]
+            # the token appended last is this step's input; a placeholder named input_ids of length 1 is how
+            # the pass manager tells a decode graph (passes.manager.is_decode_graph)
+            input_ids = kwargs["input_ids"]
+            input_ids.copy_(rows.last_token[:, None])
             buffers = cache.buffers
             kv_len = buffers.kv_len
             live = ~rows.finished
             any_live = live.any()
             # a finished row writes nothing, except in a cache the caller passed, where it keeps taking its
             # pad token while any row of the batch runs (what stock generate() stores)
-            writes = live | (pads_after_finish & any_live)
+            writes = live | (kwargs["pads_after_finish"] & any_live)
             # a row that writes nothing must not update its state either: slot -1 reads zeros, writes nothing
-            buffers.slot_ids.copy_(torch.where(writes, slots, -1))
+            buffers.slot_ids.copy_(torch.where(writes, kwargs["slots"], -1))
             column = torch.div(kv_len, page_size, rounding_mode="floor").clamp(max=max_pages - 1).to(torch.int64)
             page = buffers.page_table.gather(1, column[:, None])[:, 0].to(torch.int64)
             offset = (kv_len % page_size).to(torch.int64)
             location = torch.where(writes & (page >= 0), page * page_size + offset, -1)
-            buffers.decode_loc.copy_(location[:, None])
+            cache.write_loc.copy_(location[:, None])  # the bucket's decode_loc
             position = kv_len.to(torch.int64)[:, None]  # tokens stored before this one (pads excluded)
             buffers.kv_len.copy_(kv_len + writes.to(torch.int32))
             # "left pads, then ones" over max_seq_len positions: the causal mask hides positions past the step
             mask = torch.arange(max_seq_len, device=kv_len.device)[None, :] >= buffers.out_offset[:, None]
-            out = forward(input_ids=rows.last_token[:, None], attention_mask=mask, position_ids=position,
+            out = forward(input_ids=input_ids, attention_mask=mask, position_ids=position,
                           use_cache=True, logits_to_keep=1, return_dict=True, **{cache_kwarg: cache})
             decode_step(out.logits[:, -1], rows, sampling=sampling)
             cache.seq_length.add_(any_live.to(torch.int64))
@@ -343,8 +352,8 @@ class DecodeRunner:
 
         limit = max(RECOMPILE_LIMIT, 2 * len(self.buckets) + 4)  # one graph per (bucket, sampling)
         with self.handle.adapter.patched(), torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad():
-            self._step()(bucket.cache, bucket.pads_after_finish, bucket.slots, self.state.view(bucket.size),
-                         sampling)
+            self._step()(cache=bucket.cache, pads_after_finish=bucket.pads_after_finish, slots=bucket.slots,
+                         input_ids=bucket.input_ids, rows=self.state.view(bucket.size), sampling=sampling)
 
     def _make_inert(self, bucket: _Bucket) -> None:
         """Every row of the state cleared and the bucket's tables empty: a step then writes nothing (the
@@ -486,8 +495,17 @@ class DecodeRunner:
             raise GeometryError(f"{rows} row settings for input_ids {list(input_ids.shape)}, logits "
                                 f"{list(prefill_logits.shape)} and a cache of {cache.num_rows} rows")
         sampling = any(s.do_sample for s in settings)
-        bucket = self._ensure(bucket_for(rows, self.handle.max_batch_size), sampling)
+        budget = max(s.max_new_tokens for s in settings) - 1  # decode steps the longest row can take
         state = self.state
+        if budget == 0:  # one token, from the prefill: no step to build or run
+            state.clear_rows(0, state.max_rows)
+            state.set_rows(0, settings, input_ids, _penalty_mask(input_ids, penalty_ignore))
+            view = state.view(rows)
+            decode_step(prefill_logits, view, sampling=sampling)
+            if streamer is not None:
+                streamer.put(view.out[:, 0].cpu())
+            return view.out[:, :1]
+        bucket = self._ensure(bucket_for(rows, self.handle.max_batch_size), sampling)
         state.clear_rows(0, state.max_rows)
         state.set_rows(0, settings, input_ids, _penalty_mask(input_ids, penalty_ignore))
         self._upload_call(bucket, cache, rows, pads_after_finish)
@@ -495,7 +513,6 @@ class DecodeRunner:
         decode_step(prefill_logits, view, sampling=sampling)  # token 0
 
         call = _Call(self, bucket, cache, rows, pads_after_finish, streamer)
-        budget = max(s.max_new_tokens for s in settings) - 1  # decode steps the longest row can take
         graph, stats = bucket.graphs[sampling], bucket.stats[sampling]
         pending = deque()
         while call.done < budget and not call.all_done:
