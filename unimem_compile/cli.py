@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
-    d.add_argument("--cudagraphs", action="store_true", help="Inductor CUDA graphs (CUDA only)")
+    d.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for decode (default: on for CUDA, off elsewhere)")
     d.add_argument("--json", action="store_true", help="print one JSON object (docs/design.md section 5 keys)")
     d.set_defaults(func=_demo)
 

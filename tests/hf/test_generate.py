@@ -89,12 +89,18 @@ def test_pages_of_a_finished_generate_are_reused(pair):
 
 
 def sampled(stock, model, ids, mask, seed, **kw):
-    """(stock tokens, compiled-model tokens) of one sampled generate() each, from the same torch seed."""
+    """(stock tokens, compiled-model tokens) of one sampled generate() each, from the same torch seed. The
+    compiled model runs transformers' own decode loop (``use_runner = False``): the decode runner's draws
+    follow the same distribution but are not stock's (tests/hf/test_generate_runner.py)."""
     out = []
-    for m in (stock, model):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out.append(m.generate(ids, attention_mask=mask, do_sample=True, **kw))
+    model.unimem.use_runner = False
+    try:
+        for m in (stock, model):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out.append(m.generate(ids, attention_mask=mask, do_sample=True, **kw))
+    finally:
+        model.unimem.use_runner = True
     return out
 
 
@@ -869,10 +875,12 @@ def test_releasing_a_cache_in_another_thread_waits_for_a_running_generate(small)
             steps.append(t)
 
     a.prepare_step = prepare_then_release_b
+    small.unimem.use_runner = False  # a step per prepare_step (the runner's version: test_generate_runner.py)
     try:
         with torch.no_grad():
             got = small.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=a)
     finally:
+        small.unimem.use_runner = True
         a.release()
     releaser = next(x for x in steps if isinstance(x, threading.Thread))
     releaser.join()

@@ -202,7 +202,9 @@ class UnifiedCache(Cache):
     """A transformers ``Cache`` over a unimem pool, for one batch of ``batch_size`` rows.
 
     Create it with ``model.unimem.new_cache(batch_size)`` (``generate()`` does this for you). Pages and
-    slots are allocated step by step in :meth:`prepare_step` and returned by :meth:`release`.
+    slots are allocated step by step in :meth:`prepare_step` and returned by :meth:`release`. ``buffers``
+    (a :class:`~unimem_compile.hf.runtime.StepBuffers` of ``batch_size`` rows) replaces the shared step
+    buffers of that batch size: the decode runner's per-bucket caches read buffers only its graphs use.
 
     Raises:
         GeometryError: the batch is larger than ``max_batch_size``; a row would outgrow ``max_seq_len``;
@@ -211,11 +213,11 @@ class UnifiedCache(Cache):
     """
 
     @torch.inference_mode(False)  # tables made under inference_mode must stay writable outside it
-    def __init__(self, handle: UnimemHandle, batch_size: int):
+    def __init__(self, handle: UnimemHandle, batch_size: int, *, buffers=None):
         with handle.generate_lock:  # it reclaims orphans into step buffers a running generate() may share
-            self._init(handle, batch_size)
+            self._init(handle, batch_size, buffers)
 
-    def _init(self, handle: UnimemHandle, batch_size: int) -> None:
+    def _init(self, handle: UnimemHandle, batch_size: int, buffers) -> None:
         if not 0 < batch_size <= handle.max_batch_size:
             raise GeometryError(f"batch size {batch_size} is outside [1, max_batch_size={handle.max_batch_size}]")
         self.handle = handle
@@ -224,7 +226,9 @@ class UnifiedCache(Cache):
         self.num_rows = batch_size
         self.max_seq_len = handle.max_seq_len
         self.page_size = self.pool.layout.page_size
-        self.buffers = handle.step_buffers(batch_size)
+        # the decode runner passes step buffers of its own (the ones its captured graphs read); every other
+        # cache shares its batch size's buffers with the model's other caches of that size
+        self.buffers = handle.step_buffers(batch_size) if buffers is None else buffers
         handle.reclaim_orphans()
         self.page_tables = None
         if self.adapter.kv_spec is not None:
@@ -419,6 +423,32 @@ class UnifiedCache(Cache):
             if count:
                 loc[b, new - count:] = pt.locations(b, old[b], count)
         self.write_loc = loc.to(self.pool.device)
+
+    # ------------------------------------------------------------------ the decode runner's side
+    @property
+    def left_pads(self) -> torch.Tensor:
+        """Each row's left pads (int32 ``[B]``, host; set by the first step): where ``mla_gather`` puts a
+        row's first token. Read it, never write it."""
+        return self._out_offset
+
+    def adopt_device_steps(self, logical_len: int) -> None:
+        """After the decode runner ran steps of this cache on the device: it advanced the rows' lengths
+        there and reported each one through ``page_tables.set_length``; ``logical_len`` is the length the
+        rows reach now, left pads included (the next step's first position).
+
+        The runner's page-table edits also refreshed this cache's copy in the shared step buffers, which
+        another cache of this batch size may hold: nobody's tables are resident there now, so the next
+        step of any cache of this size uploads its own first.
+
+        Raises:
+            GeometryError: ``logical_len`` below the cached length (a row never shrinks).
+        """
+        if logical_len < self.logical_len:
+            raise GeometryError(f"the decode runner reports {logical_len} tokens per row, but this cache holds "
+                                f"{self.logical_len} already")
+        self.logical_len = logical_len
+        self.seq_length.fill_(logical_len)
+        self.buffers.resident = None
 
     # ------------------------------------------------------------------ traced: MLA read/write
     def _mla_update(self, geometry: MLAGeometry, kv_nope: torch.Tensor, k_rot: torch.Tensor):
