@@ -463,7 +463,8 @@ def test_prefill_is_not_absorbed_and_says_so(kimi, caplog):
         assert MLAAbsorb()(prefill) == 0
     assert _code(prefill) == before
     (line,) = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
-    assert f"prefill (query length {PROMPT} > 1)" in line and "model.layers.1.self_attn" in line
+    # prefill graphs have a symbolic query length (one graph for every length: hf/step_inputs.py)
+    assert "prefill (symbolic query length)" in line and "model.layers.1.self_attn" in line
 
 
 def test_unpadded_prefill_is_refused_as_prefill_not_as_a_slice(caplog):
@@ -480,7 +481,7 @@ def test_unpadded_prefill_is_refused_as_prefill_not_as_a_slice(caplog):
     with caplog.at_level(logging.INFO, logger=PASS_LOG):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
     lines = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
-    assert lines and f"model.layers.1.self_attn: prefill (query length {PROMPT} > 1)" in lines[0], lines
+    assert lines and "model.layers.1.self_attn: prefill (symbolic query length)" in lines[0], lines
     assert "getitem" not in lines[0]
 
 
