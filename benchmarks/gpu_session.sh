@@ -4,7 +4,7 @@
 # step that hangs or fails costs only its own slot.
 #   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
 #   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode bench_mla_prefill bench_mla_prefill_sweep
-#          demo_real bench_passes bench_state_passes bench_generate
+#          bench_prefill_model demo_real bench_passes bench_state_passes bench_generate
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -43,6 +43,9 @@ for s in "$@"; do
     bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;
+    bench_prefill_model) run_step bench_prefill_model "${PREFILL_LIMIT:-540}" python3 -P benchmarks/bench_mla_prefill.py \
+                           --model kimi-linear-48b-4l --deadline-s "$(( ${PREFILL_LIMIT:-540} - 40 ))" \
+                           --out "$OUT/json/prefill_model.json" ;;
     demo_real) run_step demo_real 165 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json ;;
     bench_passes) run_step bench_passes 200 python3 -P benchmarks/bench_passes.py --out "$OUT/json/passes.json" ;;
     bench_state_passes) run_step bench_state_passes 150 python3 -P benchmarks/bench_state_passes.py --cudagraphs --batches 32 --out "$OUT/json/state_passes.json" ;;
