@@ -45,6 +45,7 @@ from torch.fx import Graph, Node
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 
 from .common import Refused, Rewrite, argument, describe, dims, erase_matched, insert_call, is_function, is_op
+from . import mla_expansion
 from .mla_expansion import Expansion, match_expansion
 
 __all__ = ["MLAAbsorb"]
@@ -94,6 +95,7 @@ class MLAAbsorb(Rewrite):
     """``mla_absorb``: see the module docstring. Sites: every ``mla_gather`` call."""
 
     name = "mla_absorb"
+    extra_sources = (mla_expansion.__file__,)  # the chain it matches
 
     def sites(self, graph: Graph):
         return [n for n in graph.nodes if is_op(n, torch.ops.unimem.mla_gather)]

@@ -48,6 +48,7 @@ from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 from unimem_compile.ops.mla_prefill import WORKSPACE_TOKENS
 
 from .common import Refused, Rewrite, describe, dims, erase_matched, insert_call, is_op, value
+from . import mla_expansion
 from .mla_expansion import Expansion, match_expansion, query_length_text, same_size
 
 __all__ = ["MLAPrefill"]
@@ -92,6 +93,7 @@ class MLAPrefill(Rewrite):
     """
 
     name = "mla_prefill"
+    extra_sources = (mla_expansion.__file__,)  # the chain it matches
 
     def __init__(self, workspace_tokens: int = WORKSPACE_TOKENS):
         super().__init__()

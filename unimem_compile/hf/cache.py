@@ -369,7 +369,10 @@ class UnifiedCache(Cache):
             if self.mask_hint:
                 raise GeometryError(f"{e} ({self.mask_hint})") from None
             raise
-        lengths = (total - pads).tolist()
+        if pads is None:  # the pads stay (every decode step): each row grows by `new`, no tensor work
+            lengths = [n + new for n in self.page_tables.lengths] if self.page_tables is not None else []
+        else:
+            lengths = (total - pads.to(torch.int64)).tolist()
         if self.logical_len == 0:
             def first_allocation():
                 if self.adapter.state_spec is not None:
@@ -386,25 +389,26 @@ class UnifiedCache(Cache):
             self._allocate(first_allocation)
         elif self.page_tables is not None:
             self._allocate(lambda: self._write_locations(new, lengths))
-        if self.logical_len == 0 or not torch.equal(pads, self._out_offset):
+        if pads is not None and (self.logical_len == 0 or not torch.equal(pads, self._out_offset)):
             self._out_offset.copy_(pads)
             self._upload_rows()
         self.seq_length.fill_(self.logical_len)
         self.logical_len = total
         self.prepared = True
 
-    def _step_pads(self, mask: torch.Tensor | None, total: int, pads_only_ok: bool) -> torch.Tensor:
+    def _step_pads(self, mask: torch.Tensor | None, total: int, pads_only_ok: bool) -> torch.Tensor | None:
         """Every row's left pads after this step (int32 ``[B]``), checked against what earlier steps stored;
         ``pads_only_ok``: a row may still have no token after it (a prefill chunk before the prompt's last).
 
         A row that holds a token keeps its pads, and its mask must be those pads then ones. A row without a
         token yet (every position so far a pad) takes its pads from the mask, which must be zeros then ones
         and may not mark as a token a position an earlier step held as a pad. ``mask`` None: nothing new is
-        known (a step without a mask, or a one-token step whose mask is not read): the pads stay.
+        known (a step without a mask, or a one-token step whose mask is not read): returns None, the pads
+        stay (zeros on a first step).
         """
-        stored = self.logical_len - self._out_offset.to(torch.int64)  # tokens each row holds so far
         if mask is None:
-            return self._out_offset.clone()
+            return None if self.logical_len else torch.zeros_like(self._out_offset)
+        stored = self.logical_len - self._out_offset.to(torch.int64)  # tokens each row holds so far
         positions = torch.arange(total)
         pads = (~mask).cumprod(-1).sum(-1)  # leading zeros of each row
         expected = positions[None, :] >= torch.where(stored > 0, self._out_offset.to(torch.int64), pads)[:, None]
