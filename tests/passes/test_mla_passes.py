@@ -367,7 +367,8 @@ def test_eager_attention_form_of_deepseek_is_absorbed_with_stock_tokens_unless_w
     torch._dynamo.reset()
     result = capture("deepseek-v3-tiny", backend="aot_eager", attn_implementation="eager", prompt=PROMPT,
                      new_tokens=NEW)
-    assert _mla(result.decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3}
+    assert _mla(result.decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3, "mla_prefill": 0}
+    assert _mla(result.prefill.counts) == {"mla_write_fusion": 3, "mla_absorb": 0, "mla_prefill": 3}  # eager, too
     stock = build_model("deepseek-v3-tiny", attn_implementation="eager")
     assert torch.equal(result.tokens, _stock_tokens(stock))
 
@@ -397,7 +398,8 @@ def test_deepseek_v2_without_q_lora_is_absorbed_with_stock_tokens():
 
     torch._dynamo.reset()
     result = capture("", model=model(), backend="aot_eager", prompt=PROMPT, new_tokens=NEW)
-    assert _mla(result.decode.counts) == {"mla_write_fusion": 2, "mla_absorb": 2}
+    assert _mla(result.decode.counts) == {"mla_write_fusion": 2, "mla_absorb": 2, "mla_prefill": 0}
+    assert _mla(result.prefill.counts) == {"mla_write_fusion": 2, "mla_absorb": 0, "mla_prefill": 2}
     assert torch.equal(result.tokens, _stock_tokens(model()))
 
 
@@ -419,7 +421,7 @@ def test_absorption_holds_when_dynamo_makes_the_batch_symbolic():
     decode = model.unimem.passes.records[-1]
     values = [n.meta.get("example_value") for n in decode.after.nodes if n.op == "placeholder"]
     assert any(isinstance(v, torch.SymInt) for v in values)  # the batch is a graph input now
-    assert _mla(decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3}
+    assert _mla(decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3, "mla_prefill": 0}
 
 
 # ---------------------------------------------------------------------------------------------- refusals
