@@ -312,10 +312,11 @@ def _mla_prefill_attn_kernel(
     else:
         # continue the online softmax from the pieces before: their normalised output with weight 1 at the
         # running maximum lse (FlashAttention's split-KV combine, one piece at a time)
-        m_i = tl.load(lse_ptr + lse_off, mask=m_ok, other=float("-inf"))
+        m_i = tl.load(lse_ptr + lse_off, mask=m_ok, other=float("-inf")).to(tl.float32)
         seen = m_i > float("-inf")
         l_i = tl.where(seen, 1.0, 0.0)
-        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0)
+        # the running output may be the 16-bit result buffer (one piece per launch); accumulate in fp32
+        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
         acc = tl.where(seen[:, None], acc, 0.0)  # never-written rows of the buffer hold garbage
 
     ws_row0 = row_start - piece_start  # workspace row of stored index 0 of this row

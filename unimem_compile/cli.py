@@ -24,13 +24,21 @@ def _pool_info(args: argparse.Namespace) -> int:
         print(f"unimem-compile pool-info: --page-size must be a positive number of tokens, got {args.page_size}",
               file=sys.stderr)
         return 2
+    if args.tp is not None and args.tp <= 0:
+        print(f"unimem-compile pool-info: --tp must be a positive number of ranks, got {args.tp}", file=sys.stderr)
+        return 2
     budget = int(args.budget_gib * GIB)
     if budget < 1:
         print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
         return 2
     kv, state = geometry(args.geometry)
     try:
-        info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
+        if args.tp is None:
+            info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
+        else:
+            from .tp.sizing import pool_info_tp
+
+            info = pool_info_tp(kv, state, budget, args.page_size, args.tp, geometry_name=args.geometry)
     except GeometryError as e:  # e.g. a budget below one page envelope + one state slot
         print(f"unimem-compile pool-info: {e}", file=sys.stderr)
         return 2
@@ -39,7 +47,8 @@ def _pool_info(args: argparse.Namespace) -> int:
         return 0
     r = info["request_4096"]
     print(f"geometry            {info['geometry']}")
-    print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)")
+    print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)"
+          + (f" per rank of {info['tp']}: full latent rows, 1/{info['tp']} of every state" if "tp" in info else ""))
     print(f"page size           {info['page_size']} tokens, {info['page_bytes']:,} bytes per page envelope")
     hybrid = info["slot_bytes"] > 0 and info["page_bytes"] > 0
     if info["slot_bytes"]:
@@ -109,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES))
     p.add_argument("--budget-gib", type=float, default=40.0, help="arena size in GiB (default 40)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree: the figures of ONE rank's arena of --budget-gib (full latent rows, "
+                        "1/N of the KDA heads' states); the JSON gains the key tp")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_pool_info)
 

@@ -335,28 +335,32 @@ from unimem_compile.ops import mla_prefill as mp
 
 kern = mp._mla_prefill_attn_kernel
 t = mp._tiles(90, 4096)
-types = dict(q_ptr="*bf16", e_ptr="*bf16", ws_ptr="*bf16", cu_ptr="*i32", out_ptr="*bf16", acc_ptr="*fp32",
-             lse_ptr="*fp32", qk_scale="fp32")
 consts = dict(R=512, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128, BLOCK_M=t["block_m"],
               BLOCK_N=t["block_n"], DOT_PRECISION="tf32")
-sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
-         if sig[n].startswith("*") or n.startswith("stride")}
-src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=t["num_warps"], num_stages=t["num_stages"]))
-ptx = k.asm["ptx"]
-stack = None
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-if os.path.exists(tool):
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.cubin"), "wb").write(k.asm["cubin"])
-        usage = subprocess.run([tool, "--dump-resource-usage", os.path.join(d, "k.cubin")], capture_output=True,
-                               text=True).stdout
-    found = re.search(r"STACK:(\d+)", usage)
-    stack = int(found.group(1)) if found else None
-print("RESULT " + json.dumps({"wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-                              "shared": k.metadata.shared, "stack": stack, "tiles": t}), flush=True)
+# several pieces: fp32 running output and lse buffers; one piece: both are the bf16 result (never read, but
+# compiled: the branch that reads them must type-check too)
+for running in ("*fp32", "*bf16"):
+    types = dict(q_ptr="*bf16", e_ptr="*bf16", ws_ptr="*bf16", cu_ptr="*i32", out_ptr="*bf16", acc_ptr=running,
+                 lse_ptr=running, qk_scale="fp32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=t["num_warps"], num_stages=t["num_stages"]))
+    ptx = k.asm["ptx"]
+    stack = None
+    if os.path.exists(tool):
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "k.cubin"), "wb").write(k.asm["cubin"])
+            usage = subprocess.run([tool, "--dump-resource-usage", os.path.join(d, "k.cubin")], capture_output=True,
+                                   text=True).stdout
+        found = re.search(r"STACK:(\d+)", usage)
+        stack = int(found.group(1)) if found else None
+    print("RESULT " + json.dumps({"running": running, "wgmma": ptx.count("wgmma.mma_async"),
+                                  "mma_sync": ptx.count("mma.sync"), "shared": k.metadata.shared, "stack": stack,
+                                  "tiles": t}), flush=True)
 '''
 
 
@@ -373,8 +377,12 @@ def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills(t
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", _HOPPER_CHILD], env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
-    k = json.loads(lines[0][len("RESULT "):])
+    assert done.returncode == 0 and len(lines) == 2, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    for k in (json.loads(line[len("RESULT "):]) for line in lines):
+        _check_hopper_compile(k)
+
+
+def _check_hopper_compile(k: dict) -> None:
     assert k["tiles"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
     assert k["wgmma"] > 0 and k["mma_sync"] == 0  # every product on the Hopper tensor-core path
     assert k["shared"] <= 227 * 1024  # an H100/H200 block's shared-memory limit
