@@ -357,10 +357,11 @@ class UnifiedCache(Cache):
                                 f"{self.chunked_prefill_end}")
         self.handle.reclaim_orphans()  # memory of caches dropped unreleased goes back before this step allocates
         self._make_resident()
-        # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
-        # ever appends ones to it. The first step and multi-token continuations are checked.
+        # Reading the mask on the host synchronises the GPU, so a one-token decode step does not: generate()
+        # only ever appends ones to it. The first step, multi-token steps and prefill chunks are checked (a
+        # one-token chunk, prefill_chunk_size=1, may be a pad).
         mask = None
-        if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start):
+        if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start or chunking):
             mask = attention_mask.detach().to("cpu", torch.bool)
         self.call_start = False
         try:
