@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import inspect_graphs
 
-    p = sub.add_parser("inspect", help="print one MLA layer's decode graph before and after the rewrites")
+    p = sub.add_parser("inspect", help="print one MLA layer's decode (or prefill) graph before and after the rewrites")
     inspect_graphs.add_arguments(p)
     return parser
 

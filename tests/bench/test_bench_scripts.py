@@ -178,3 +178,36 @@ def test_capacity_refuses_bad_arguments_before_simulating(tmp_path, capsys, argv
     bench = _script("bench_capacity")
     assert bench.main(["--quick", "--out", str(tmp_path / "c.json"), "--plots", str(tmp_path / "p"), *argv]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "c.json").exists()
+
+
+def test_prefill_model_flops_count_every_matmul_once_as_documented():
+    """kimi-linear-tiny (KDA, MLA, KDA, MLA; dense, MoE, dense, MoE), 100 tokens in chunks of 32, by hand."""
+    from unimem_compile.hf.models import build_model
+
+    bench = _script("bench_mla_prefill")
+    kda = 3 * 128 * 256 + 32 * 256 + 128 * 32 + 4 * 256 + 32 * 256 + 128 * 32 + 256 * 128  # q k v f_a f_b b g_a g_b o
+    mla = 192 * 256 + 80 * 256 + 256 * 64 + 256 * 128  # q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+    dense = 2 * 512 * 256 + 256 * 512
+    moe = 8 * 256 + 2 * (256 * 256 + 256 * 128) + 2 * 128 * 256 + 256 * 128  # router, top-2 experts, shared
+    flops = bench.model_prefill_flops(build_model("kimi-linear-tiny"), 100, 32)
+    assert flops["linear"] == 100 * 2 * 2 * (kda + mla + dense + moe)
+    assert flops["mla_attention"] == 2 * 2 * 4 * (32 + 16 + 32) * (100 * 101 // 2)
+    assert flops["kda"] == 2 * 6 * 4 * 32 * 32 * 100
+    assert flops["lm_head"] == 4 * 2 * 256 * 1024  # one position per chunk, 4 chunks
+    assert flops["total"] == flops["linear"] + flops["mla_attention"] + flops["kda"] + flops["lm_head"]
+    assert flops["reexpansion_flops"] == 2 * 2 * 64 * 4 * (32 + 32) * (32 + 64 + 96 - 0)
+
+
+def test_prefill_model_level_records_a_row_per_length(tmp_path):
+    """The model-level harness end to end on the CPU for the stock system (no compile: the unimem systems'
+    smoke run is the documented command, ~30 s)."""
+    bench = _script("bench_mla_prefill")
+    out = tmp_path / "prefill.json"
+    assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "40", "20", "--chunk", "16",
+                       "--systems", "stock", "--repeats", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [r["tokens"] for r in rec["rows"]] == [20, 40] and rec["max_seq_len"] == 56
+    for row in rec["rows"]:
+        stock = row["systems"]["stock"]
+        assert stock["prefill_ms"] > 0 and stock["prefill_tokens_per_s"] > 0 and row["bound_ms"] > 0
+        assert stock["x_of_bound"] == stock["prefill_ms"] / row["bound_ms"]

@@ -394,14 +394,13 @@ def test_beam_search_and_use_cache_false_are_refused_by_name(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
-def test_assisted_decoding_and_chunked_prefill_are_refused_by_name(small):
+def test_assisted_decoding_is_refused_by_name(small):
     from transformers import DynamicCache
 
     ids, mask = prompts([5, 4], seed=3)
     for kw, message in (
         ({"prompt_lookup_num_tokens": 3}, r"assisted / speculative decoding \(prompt_lookup_num_tokens=3\)"),
         ({"assistant_model": build_model("kimi-linear-tiny")}, r"speculative decoding \(assistant_model\) is not"),
-        ({"prefill_chunk_size": 4}, r"prefill_chunk_size=4 is not supported"),
     ):
         with pytest.raises(UnsupportedModel, match=message):
             small.generate(ids, attention_mask=mask, max_new_tokens=2, **kw)

@@ -126,3 +126,15 @@ def test_cudagraphs_are_asked_of_inductor_for_decode_graphs_only(monkeypatch):
     model.unimem.use_runner = True
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert asked == [False, True, False]  # the runner's step of bucket 2
+
+
+def test_the_mla_attention_rewrites_hash_the_chain_they_share(monkeypatch):
+    from unimem_compile.passes import MLAAbsorb, MLAPrefill, common, mla_expansion
+
+    hashed = []
+    real = common.source_hash
+    monkeypatch.setattr(common, "source_hash", lambda *paths, extra="": hashed.append(paths) or real(*paths, extra=extra))
+    for rewrite in (MLAAbsorb(), MLAPrefill()):
+        rewrite.uuid()
+    assert all(mla_expansion.__file__ in paths for paths in hashed) and len(hashed) == 2
+    assert MLAPrefill(16).uuid() == MLAPrefill(16).uuid() != MLAPrefill(32).uuid()

@@ -43,6 +43,7 @@ from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
 from .cache import UnifiedCache
 from .generate_checks import UNSUPPORTED_OUTPUTS, GenerateCall, check_generate_call, check_outputs
+from .step_inputs import prepare_step_inputs
 
 __all__ = ["UnimemHandle", "StepBuffers", "DEFERRED_STOP_MIN_ROWS", "RECOMPILE_LIMIT", "install"]
 
@@ -357,6 +358,7 @@ def _forward(model, handle: UnimemHandle, compiled):
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
+        kwargs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
         with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
@@ -444,6 +446,7 @@ def _run(original_generate, call: GenerateCall):
                        f"pad_token_id={call.inferred_pad_token_id}; pass attention_mask explicitly"
                        if call.inferred_pad_token_id is not None else None)
     cache.call_start = True  # the first step of this call checks the whole mask
+    cache.chunked_prefill_end = call.prompt_len if call.setting("prefill_chunk_size") is not None else None
     before = cache.fingerprint() if call.passed else None
     cache.defer_stop_check = not call.passed and cache.handle.defers_stop_check(call.rows)
     kwargs = _with_decode_runner(cache.handle, call)
