@@ -271,3 +271,33 @@ def test_capture_up_front_and_the_runner_knobs_are_checked():
     assert handle.passes.graphs == graphs + 1  # the prefill only: the step was built
     assert timing.decode_steps == 5 and timing.decode_seconds() > 0
     assert handle.runner_stats()["steps"][0]["steps"] == 5
+
+
+def test_captured_steps_run_grouped_mm_experts_as_batched_mm_for_non_bf16_weights(deepseek):
+    """transformers' grouped_mm experts fall back to a loop over ``offs.tolist()`` for weights that are not
+    bf16 (CUDA graph capture refuses the device-to-host copy): a capturing runner swaps such layers to
+    batched_mm for its step only; a bf16 model keeps grouped_mm."""
+    _, model = deepseek
+    runner = model.unimem.runner
+    configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "is_concatenated")}.values())
+    assert configs  # deepseek-v3-tiny has MoE layers
+    saved = [c._experts_implementation_internal for c in configs]
+    try:
+        for c in configs:
+            c._experts_implementation_internal = "grouped_mm"
+        runner.capture_graphs, runner._expert_configs = True, None
+        with runner._capturable_experts():
+            assert [c._experts_implementation_internal for c in configs] == ["batched_mm"] * len(configs)
+        assert [c._experts_implementation_internal for c in configs] == ["grouped_mm"] * len(configs)
+        bf16 = build_model("deepseek-v3-tiny").to(torch.bfloat16)
+        unimem_compile.compile(bf16, max_batch_size=2, max_seq_len=32, page_size=PAGE, backend="aot_eager")
+        bf16_configs = [m.config for m in bf16.modules() if hasattr(m, "is_concatenated")]
+        for c in bf16_configs:
+            c._experts_implementation_internal = "grouped_mm"
+        bf16.unimem.runner.capture_graphs = True
+        with bf16.unimem.runner._capturable_experts():
+            assert {c._experts_implementation_internal for c in bf16_configs} == {"grouped_mm"}
+    finally:
+        runner.capture_graphs, runner._expert_configs = False, None
+        for c, value in zip(configs, saved):
+            c._experts_implementation_internal = value

@@ -38,6 +38,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+import contextlib
 import time
 import weakref
 from collections import deque
@@ -230,6 +231,7 @@ class DecodeRunner:
         self._state: RowState | None = None
         self._compiled = None
         self._pool = None
+        self._expert_configs: list | None = None  # configs _capturable_experts swaps (found on first use)
         #: a :class:`DecodeTiming` that the next calls record into (set by ``model.unimem.timed_decode()``)
         self.timing: DecodeTiming | None = None
 
@@ -351,9 +353,49 @@ class DecodeRunner:
         from ..hf.runtime import RECOMPILE_LIMIT
 
         limit = max(RECOMPILE_LIMIT, 2 * len(self.buckets) + 4)  # one graph per (bucket, sampling)
-        with self.handle.adapter.patched(), torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad():
+        with self.handle.adapter.patched(), torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad(), \
+                self._capturable_experts():
             self._step()(cache=bucket.cache, pads_after_finish=bucket.pads_after_finish, slots=bucket.slots,
                          input_ids=bucket.input_ids, rows=self.state.view(bucket.size), sampling=sampling)
+
+    @contextlib.contextmanager
+    def _capturable_experts(self):
+        """Mixture-of-experts layers whose experts transformers would run through its ``grouped_mm`` fallback
+        run ``batched_mm`` inside a captured step.
+
+        transformers' ``grouped_mm`` experts call ``torch._grouped_mm`` under torch.compile only for bf16
+        weights; any other dtype goes to ``transformers::grouped_mm_fallback``, which loops over
+        ``offs.tolist()`` (a device-to-host copy: CUDA graph capture refuses it, and it would synchronise
+        every step). ``batched_mm`` computes the same per-token expert projections with ``bmm`` and never
+        reads the device, so steps of fp32 / fp16 MoE models can be captured. The setting is swapped only
+        while the runner's step runs (Dynamo guards on it, so the step's graphs always see ``batched_mm``);
+        transformers' own loop keeps the model's setting. bf16 models and uncaptured steps are unchanged.
+        """
+        configs = self._fallback_expert_configs() if self.capture_graphs else []
+        saved = [c._experts_implementation_internal for c in configs]
+        for c in configs:
+            c._experts_implementation_internal = "batched_mm"
+        try:
+            yield
+        finally:
+            for c, value in zip(configs, saved):
+                c._experts_implementation_internal = value
+
+    def _fallback_expert_configs(self) -> list:
+        if self._expert_configs is None:
+            found = {}
+            model = self._model()
+            for module in model.modules() if model is not None else ():
+                config = getattr(module, "config", None)
+                # transformers' experts decorator (integrations/moe.py) gives the module these attributes
+                if (config is None or not hasattr(module, "is_concatenated")
+                        or getattr(config, "_experts_implementation_internal", None) != "grouped_mm"):
+                    continue
+                weights = [p for p in module.parameters(recurse=False)]
+                if weights and all(p.dtype != torch.bfloat16 for p in weights):
+                    found[id(config)] = config
+            self._expert_configs = list(found.values())
+        return self._expert_configs
 
     def _make_inert(self, bucket: _Bucket) -> None:
         """Every row of the state cleared and the bucket's tables empty: a step then writes nothing (the
