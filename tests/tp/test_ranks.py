@@ -128,10 +128,11 @@ def test_rewrites_still_match_on_local_heads(ranks):
 
 def test_the_collectives_are_inside_the_compiled_graphs(ranks):
     """deepseek-v3-tiny: one all-reduce after each attention and each MLP / MoE block of its 3 layers and one
-    all-gather of the logits, in the prefill graph and in the decode graph alike."""
+    all-gather of the logits, in the prefill graph and in every decode-step graph the runner compiled
+    (one per step it built: greedy, sampled, the UNIMEM_DEBUG run) alike."""
     for r in ranks:
         graphs = r["collectives_in_graphs"]["graphs"]
-        assert len(graphs) == 2  # prefill and decode
+        assert len(graphs) >= 2  # a prefill graph and at least one decode-step graph
         for counts in graphs.values():
             assert counts == {"all_reduce": 6, "all_gather": 1, "wait": 7}
 
