@@ -29,7 +29,8 @@ import triton.language as tl
 from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
-from .common import (KERNEL_KV_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
+from . import fp8
+from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
                      check_tensor)
 from .geometry import MLAGeometry
 from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
@@ -62,6 +63,7 @@ def mla_decode_reference(
     Same contract as :func:`mla_decode` (``geometry``: the six values of :class:`~.geometry.MLAGeometry`;
     no input checks). Tokens on tombstoned pages (or page-table entries < 0 / past ``v2p``) inside
     ``kv_len`` read as zero rows; tokens at or past ``kv_len`` are never used (their bytes may be NaN).
+    fp8 rows are dequantised first (:func:`.fp8.dequantize_rows`: the bf16 values ``mla_gather`` returns).
     Memory: ``B * P * page_size * D`` fp32 values.
     """
     g = MLAGeometry(*geometry)
@@ -79,8 +81,12 @@ def mla_decode_reference(
     ok = ok & (ppage >= 0)
     rows = torch.where(ok, ppage * (ps * layer_num) + layer * ps + t % ps, 0)
     row_bytes = g.row_bytes
-    typed = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)
-    kv = torch.where(ok[..., None], typed[rows].float(), 0.0)  # [B, n, D]; where() drops NaN bytes
+    if g.quantized:
+        values = fp8.dequantize_rows(arena[: arena.numel() // row_bytes * row_bytes].view(-1, row_bytes)[rows],
+                                     g.row_format)
+    else:
+        values = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)[rows]
+    kv = torch.where(ok[..., None], values.float(), 0.0)  # [B, n, D]; where() drops NaN bytes
     q = torch.cat([q_nope, q_rope], dim=-1).float()
     scores = torch.einsum("bhd,bnd->bhn", q, kv) * sm_scale
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
@@ -257,7 +263,7 @@ def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size:
 
 
 def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, g: MLAGeometry) -> None:
-    check_tensor(op, "q_nope", q_nope, dtype=KERNEL_KV_DTYPES, dim=3)
+    check_tensor(op, "q_nope", q_nope, dtype=COMPUTE_DTYPES, dim=3)
     B, H = q_nope.shape[:2]
     check_tensor(op, "q_nope", q_nope, shape=(B, H, g.kv_lora_rank))
     check_tensor(op, "q_rope", q_rope, dtype=q_nope.dtype, shape=(B, H, g.qk_rope_head_dim))
@@ -298,6 +304,9 @@ def mla_decode_triton(
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
             :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
 
+    An fp8 ``kv_dtype`` runs :func:`mla_decode_reference` on the tensors' device instead of a split kernel
+    (the knobs are checked, then unused; ``kernel="wgmma"`` raises): the kernels do not read scaled rows yet.
+
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
         allocated with ``torch.empty`` per call (caching allocator; CUDA-graph safe).
@@ -324,7 +333,7 @@ def mla_decode_triton(
     check_knob(op, "wgmma_stages", wgmma_stages)
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
-    if partial_dtype is not None and partial_dtype not in KERNEL_KV_DTYPES:
+    if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
     kernel = kernel or env.mla_decode_kernel() or "auto"
@@ -342,6 +351,11 @@ def mla_decode_triton(
                              f"address {arena.data_ptr():#x}")
         fits_wgmma = False
     use_wgmma = fits_wgmma and kernel != "portable"
+    if g.quantized:
+        # The split kernels read rows of kv_dtype values; until they learn the scaled fp8 row, fp8 geometries
+        # run the plain-torch path on the device (dequantise the rows each row needs, then the fp32
+        # softmax): correct, not fast, and the tuning knobs above do not apply.
+        return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
     if use_wgmma:
         block_n = WGMMA_BLOCK_N
     elif block_n is None:
@@ -436,7 +450,9 @@ def mla_decode(
         kv_len: int32 ``[B]`` tokens per row (0 allowed; at most ``P * page_size``).
         sm_scale: softmax scale applied to ``q_nope . kv[:R] + q_rope . kv[R:]``.
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (R = kv_lora_rank,
-            Dr = qk_rope_head_dim); kv_dtype bf16, fp16 or fp32.
+            Dr = qk_rope_head_dim); kv_dtype bf16, fp16, fp32, or e4m3fn / e4m3fnuz (scaled fp8 rows, read
+            as the bf16 values ``mla_gather`` returns; on CUDA through the plain-torch path until the split
+            kernels read fp8 rows, see :func:`mla_decode_triton`).
 
     Returns:
         ``[B, H, R]`` contiguous in q's dtype: ``softmax(scores) @ kv[:, :R]`` per row and head, zeros for

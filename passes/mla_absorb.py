@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
-from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.common import COMPUTE_DTYPES
 from unimem_compile.ops.geometry import MLAGeometry
 
 from .common import (
@@ -378,8 +378,8 @@ def _match(gather: Node) -> _Site:
     for name, node in (("kv_b_proj weight", weight), ("expanded values", v)):
         if value(node).dtype != q_dtype:
             raise Refused(f"the {name} are {value(node).dtype}, the query {q_dtype}")
-    if q_dtype not in KERNEL_KV_DTYPES:
-        raise Refused(f"the query is {q_dtype}; mla_decode takes {KERNEL_KV_DTYPES}")
+    if q_dtype not in COMPUTE_DTYPES:
+        raise Refused(f"the query is {q_dtype}; mla_decode takes {COMPUTE_DTYPES}")
 
     q_nope, q_rope, q_nodes = _query_parts(att.q, nope, rope)
     matched = [*att.nodes, *key_nodes, *expands, split, k_nope, v, transpose, view, linear, latent, k_rot_full,
