@@ -13,10 +13,10 @@ subnormal code by at most half the subnormal step, ``scale * 2^-10`` or less, at
 the tile's maximum; the fp32 division and product add 2^-24 relative)::
 
     |x - scale * code| <= 2^-4 * |x| + 2^-10 * scale   <= 2^-4 * max |tile| * (1 + 2^-13)
-    |x - value|        <= that + 2^-9 * |scale * code| (the bf16 rounding of the read)
+    |x - value|        <= that + 2^-8 * |scale * code| (the bf16 rounding of the read, 7 mantissa bits)
 
-so a value read back lies within ``(2^-4 + 2^-9 * (1 + 2^-4)) * max |tile|`` (under 0.0646 of the tile's
-largest magnitude) and within ``2^-4 + 2^-8`` of itself for values above ``2^-6`` of the tile's maximum.
+so a value read back lies within ``(2^-4 + 2^-8 * (1 + 2^-4)) * max |tile|`` (under 0.0667 of the tile's
+largest magnitude) and within ``2^-4 + 2^-7`` of itself for values above ``2^-6`` of the tile's maximum.
 
 The Triton helpers encode and decode the bits with integer arithmetic, for both formats, so one code path
 runs in the interpreter, on sm_90 (where Triton has no e4m3fnuz type) and elsewhere, bit for bit the same as
@@ -134,7 +134,8 @@ def quantize_rows(kv_nope: torch.Tensor, k_rope: torch.Tensor, fmt: MLARowFormat
     scale = tile_scales(kv_nope, fmt)
     per_value = scale.repeat_interleave(FP8_TILE, dim=1)[:, :r]
     x = kv_nope.to(torch.float32)
-    q = torch.where(per_value > 0, x / per_value, 0.0).clamp(-fmt.fp8_max, fmt.fp8_max)
+    scaled = per_value > 0
+    q = torch.where(scaled, x / torch.where(scaled, per_value, 1.0), 0.0).clamp(-fmt.fp8_max, fmt.fp8_max)
     out = torch.zeros(t, fmt.row_bytes, dtype=torch.uint8, device=kv_nope.device)
     out[:, :r] = q.to(fmt.dtype).view(torch.uint8)
     out[:, fmt.scale_offset: fmt.rope_offset] = scale.contiguous().view(torch.uint8)

@@ -230,7 +230,8 @@ def _mla_kv_write_fp8_kernel(
     xt = tl.reshape(x.to(tl.float32), [BLOCK_T, NT, TILE])
     scale = tl.math.div_rn(tl.reduce(tl.abs(xt), 2, fp8.fp8_nanmax), FP8_MAX)  # IEEE division, as torch's
     s3 = scale[:, :, None]
-    q = tl.where(s3 > 0, tl.math.div_rn(xt, s3), 0.0)  # a tile of zeros: scale 0, codes 0, reads back 0
+    # a tile of zeros (or a NaN scale): codes 0; a zero scale reads them back as zeros
+    q = tl.where(s3 > 0, tl.math.div_rn(xt, tl.where(s3 > 0, s3, 1.0)), 0.0)
     codes = tl.reshape(fp8.fp8_encode(q, FNUZ), [BLOCK_T, R_P2])
     cols = tl.arange(0, R_P2)
     tl.store(code_ptr + base[:, None] + cols[None, :], codes.to(tl.uint8), mask=m)

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-__all__ = ["PROMPTS", "ByteTokenizer", "StepClock", "run_demo", "teacher_forced_logits", "decode_step_bytes"]
+__all__ = ["PROMPTS", "ByteTokenizer", "StepClock", "run_demo", "teacher_forced_logits", "decode_step_bytes",
+           "compare_logits", "fp8_tolerance", "unit_roundoff"]
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog while",
@@ -157,6 +158,64 @@ def teacher_forced_logits(model, ids, mask, continuation) -> torch.Tensor:
             return_dict_in_generate=True,
         )
     return torch.stack([step.float() for step in out.logits], 1)
+
+
+def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How far teacher-forced logits ``got`` lie from ``ref`` (both ``[B, N, vocab]``, fp32, the same forced
+    tokens).
+
+    Returns a dict: ``mean_abs`` / ``max_abs`` (|logit difference| over every logit), ``median_position``
+    (the median over the ``B * N`` positions of each position's mean |difference|), ``kl_mean`` /
+    ``kl_median`` (the KL divergence ``KL(softmax(ref) || softmax(got))`` of the next-token distributions,
+    in nats, mean and median over positions), ``top1_agreement`` (fraction of positions whose argmax
+    agrees) and ``positions``.
+    """
+    diff = (got - ref).abs()
+    log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)  # rounding can make a tiny KL negative
+    return {
+        "mean_abs": float(diff.mean()),
+        "max_abs": float(diff.max()),
+        "median_position": float(diff.mean(-1).median()),
+        "kl_mean": float(kl.mean()),
+        "kl_median": float(kl.median()),
+        "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "positions": int(kl.numel()),
+    }
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next value of ``dtype``: the largest relative error of rounding a
+    normal value to it (2^-8 for bf16, 2^-11 for fp16, 2^-4 for e4m3)."""
+    return torch.finfo(dtype).eps / 2
+
+
+#: Allowance for the sampling noise of a median over the demo's / the tests' positions (a few hundred) and
+#: for second-order effects, on top of the first-order ratio in :func:`fp8_tolerance`.
+FP8_NOISE_FACTOR = 2.0
+
+
+def fp8_tolerance(fp8_dtype: torch.dtype, scale_dtype: torch.dtype, scale: dict) -> dict:
+    """The bounds fp8 KV's teacher-forced logits are held to, against the run without it.
+
+    ``scale`` is :func:`compare_logits` of a run whose KV rows alone are rounded to ``scale_dtype`` against
+    the same reference (or of a ``scale_dtype`` model, whose many roundings include its KV's: an upper
+    bound). To first order the logits respond linearly to the rows' rounding errors, whose distribution has
+    the same shape for every float format, scaled by its unit roundoff u (relative errors spread over
+    +-u; for values spread log-uniformly over a binade their RMS is ``0.42 u`` in any format; e4m3's tile
+    scale only picks which binade a value falls in); so the fp8 run's per-position errors
+    are ``r = unit_roundoff(fp8) / unit_roundoff(scale_dtype)`` times the scale run's (16 against bf16), and
+    its KL divergences, quadratic in the logit change, ``r^2`` times. Medians over positions are used:
+    the mean and the max are dominated by the few positions where a mixture-of-experts router flips an
+    expert (an O(1) logit change, whose probability grows with the perturbation: a bf16-sized one rarely
+    shows any in a few hundred positions, so the mean of the scale run cannot be scaled). Both bounds get
+    :data:`FP8_NOISE_FACTOR` (squared for the KL).
+
+    Returns ``{"ratio", "median_position", "kl_median"}``: the ratio and the two bounds.
+    """
+    ratio = unit_roundoff(fp8_dtype) / unit_roundoff(scale_dtype)
+    return {"ratio": ratio, "median_position": FP8_NOISE_FACTOR * ratio * scale["median_position"],
+            "kl_median": (FP8_NOISE_FACTOR * ratio) ** 2 * scale["kl_median"]}
 
 
 class DemoArgumentError(ValueError):
