@@ -62,7 +62,8 @@ def test_fp8_kv_logits_stay_within_the_bounds_derived_from_bf16_kv(runs):
         got = compare_logits(logits[kv_dtype], logits["fp32"])
         bound = fp8_tolerance(DTYPES[kv_dtype], torch.bfloat16, scale)
         print(f"\n{name} (dense MLPs) {kv_dtype} vs fp32 KV over {got['positions']} positions: "
-              + ", ".join(f"{k} {got[k]:.3g} (bound {bound[k]:.3g}, bf16 KV {scale[k]:.3g})" for k in bound if k != "ratio")
+              + ", ".join(f"{k} {got[k]:.3g} (bound {bound[k]:.3g}, bf16 KV {scale[k]:.3g})"
+                          for k in bound if k != "ratio")
               + f", top-1 agreement {got['top1_agreement']:.3f} (bf16 KV {scale['top1_agreement']:.3f})")
         assert got["positions"] == 2 * NEW
         for key in ("mean_abs", "max_abs", "median_position", "kl_mean", "kl_median"):

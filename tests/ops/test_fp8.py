@@ -110,12 +110,11 @@ def _rows_at_max(t, r, m, gen):
     return x
 
 
-def _gather_all(pool, pages, n, geometry, **kw):
-    """Every written token of the first ``n`` locations as one row of history, through the given gather."""
+def _gather_all(pool, pages, n, geometry):
+    """``mla_gather`` arguments reading the first ``n`` tokens of ``pages`` as one row of history."""
     table = torch.tensor(pages, dtype=torch.int32)[None]
-    args = (pool.arena, pool.v2p, table, torch.tensor([n], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), n,
+    return (pool.arena, pool.v2p, table, torch.tensor([n], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), n,
             *geometry)
-    return args
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -209,9 +208,9 @@ def test_a_tile_with_a_nan_reads_back_as_nan_and_the_next_tile_is_unharmed(gen):
         write(pool.arena, pool.v2p, loc, x, torch.randn(1, dr, generator=gen), *geometry)
         got = gather(*_gather_all(pool, pages[:1], 1, geometry))[0, 0].float()
         assert bool(got[:128].isnan().all())
-        assert torch.equal(got[128:r], fp8.dequantize_rows(fp8.quantize_rows(x, torch.zeros(1, dr),
-                                                                             pool.layout.kv.row_format), 
-                                                           pool.layout.kv.row_format)[0, 128:r].float())
+        fmt_ = pool.layout.kv.row_format
+        want = fp8.dequantize_rows(fp8.quantize_rows(x, torch.zeros(1, dr), fmt_), fmt_)[0, 128:r].float()
+        assert torch.equal(got[128:r], want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -256,8 +255,8 @@ def test_decode_on_fp8_rows_attends_over_the_values_gather_returns(fmt, gen):
     n = len(pages) * PS
     loc = torch.tensor(pages)[torch.arange(n) // PS] * PS + torch.arange(n) % PS
     geometry = (1, L, PS, r, dr, fmt)
-    mw.mla_kv_write_triton(pool.arena, pool.v2p, loc, torch.randn(n, r, generator=gen), torch.randn(n, dr, generator=gen),
-                           *geometry)
+    nope, rope = torch.randn(n, r, generator=gen), torch.randn(n, dr, generator=gen)
+    mw.mla_kv_write_triton(pool.arena, pool.v2p, loc, nope, rope, *geometry)
     table = torch.tensor(pages, dtype=torch.int32).view(2, 3)
     kv_len = torch.tensor([40, 3 * PS], dtype=torch.int32)
     q_nope, q_rope = torch.randn(2, h, r, generator=gen), torch.randn(2, h, dr, generator=gen)
