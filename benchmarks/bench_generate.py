@@ -7,7 +7,13 @@ Systems, each on a fresh model with the same seeded random weights (bf16 on CUDA
   decode step itself (``torch.compile(model.__call__, mode="reduce-overhead")``: Inductor + CUDA graphs; the
   prefill stays eager). On the CPU it is made to compile with ``CompileConfig(backend="eager")``;
 * ``unimem`` (c): ``unimem_compile.compile(model, cudagraphs=True, passes=True)`` with the pool sized for the
-  batch (``memory_budget=None``: every row's ``prompt + new`` tokens and its state), then ``generate()``.
+  batch (``memory_budget=None``: every row's ``prompt + new`` tokens and its state), then ``generate()``;
+* ``unimem_fp8`` (d), with ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``): (c) with ``kv_dtype=`` that fp8
+  format (scaled fp8 rows, 656 instead of 1152 bytes per token and MLA layer; the pool is sized for them).
+  ``--kv-dtype`` runs (c) and (d) side by side at batch 32, prompt 4096 unless ``--systems`` / ``--configs``
+  say otherwise; its bundle is the run of record ``generate_fp8_<date>.json`` (docs/design.md section 8:
+  ``generate_<date>.json`` holds bf16 runs only), with the ratios (d)/(c) of decode tokens/s, prefill time
+  and peak memory.
 
 Models: ``kimi-linear-48b-4l`` (the real Kimi-Linear-48B per-layer geometry, 3 KDA + 1 MLA, 8-expert MoE)
 at batch 1, 8, 32 and prompt 512, 4096, plus ``kimi-linear-48b-8l`` (KDA, KDA, KDA, MLA x 2) at batch 32,
@@ -31,6 +37,7 @@ table of everything in ``--out`` ends the run.
 
 GPU:   source benchmarks/device_env.sh && python3 -P benchmarks/bench_generate.py --out /tmp/gen --deadline-s 470 \
            --bundle "$OUT/generate.json" [--resume-from benchmarks/results/generate_<date>.json]
+fp8:   python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 --bundle "$OUT/generate_fp8.json"
 CPU:   python benchmarks/bench_generate.py --device cpu --smoke --out /tmp/gen      (tiny model, ~30 s)
 """
 
@@ -54,7 +61,12 @@ import torch
 from unimem_compile.demo import StepClock
 
 SYSTEMS = ("eager", "static", "unimem")
-LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem"}
+#: (c) with fp8 KV (``--kv-dtype``); not one of SYSTEMS: bf16 bundles keep the three of docs/design.md section 8
+FP8_SYSTEM = "unimem_fp8"
+LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem",
+          FP8_SYSTEM: "(d) unimem fp8 KV"}
+#: the configuration ``--kv-dtype`` runs by default (the issue's: batch 32, prompt 4096)
+FP8_CONFIGS = ["kimi-linear-48b-4l_b32_p4096"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +96,8 @@ SMOKE_CONFIGS = [Config("kimi-linear-tiny", 2, 24), Config("kimi-linear-tiny", 1
 #: autotuning); afterwards the longest measured one of its kind, x1.25
 # seconds per system before one has run: measured on an H200 on 2026-11-29 at kimi-linear-48b-4l, batch 32,
 # prompt 512 (eager 11 s, static 23 s; unimem's compile 40 s in the demo), with headroom
-PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 80.0},
-           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 20.0}}
+PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 80.0, FP8_SYSTEM: 80.0},
+           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 20.0, FP8_SYSTEM: 20.0}}
 #: flash-linear-attention autotunes its KDA kernels on their first call (about 90 s on an H200)
 FLA_AUTOTUNE_S = 90.0
 
@@ -218,12 +230,15 @@ def run_system(system: str, cfg: Config, args, device: torch.device, dtype: torc
             kwargs["compile_config"] = config
         record["compile"] = "transformers auto-compile of the decode step (" + (
             "inductor, mode=reduce-overhead: CUDA graphs)" if cuda else "backend=eager on the CPU)")
-    elif system == "unimem":
+    elif system in ("unimem", FP8_SYSTEM):
         deferred = {"auto": None, "on": True, "off": False}[args.deferred_stop] if cuda else None
+        kv_dtype = args.kv_dtype if system == FP8_SYSTEM else None
         unimem_compile.compile(model, max_batch_size=cfg.batch, max_seq_len=cfg.prompt + new, memory_budget=None,
-                               backend=args.backend, cudagraphs=cuda, passes=True, deferred_stop_check=deferred)
+                               backend=args.backend, cudagraphs=cuda, passes=True, deferred_stop_check=deferred,
+                               kv_dtype=kv_dtype)
+        adapter = model.unimem.adapter  # its KV spec has the rows' dtype: the step bytes count fp8 rows
         record["compile"] = (f"unimem_compile.compile(backend={args.backend!r}, cudagraphs={cuda}, passes=True, "
-                             f"deferred_stop_check={deferred})")
+                             f"deferred_stop_check={deferred}, kv_dtype={kv_dtype!r})")
     t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(ids, **kwargs)  # warm-up: compiles, records CUDA graphs, autotunes
@@ -252,9 +267,10 @@ def run_system(system: str, cfg: Config, args, device: torch.device, dtype: torc
     })
     if reference is not None:
         record["new_tokens_equal_to_eager"] = float((out[:, cfg.prompt:] == reference[:, cfg.prompt:]).float().mean())
-    if system == "unimem":
+    if system in ("unimem", FP8_SYSTEM):
         record["pool"] = model.unimem.stats()
         record["rewrites"] = model.unimem.rewrites
+        record["kv_dtype"] = str(adapter.kv_spec.dtype).replace("torch.", "") if adapter.kv_spec else None
     del model, runs
     _free(device)
     return record, out
@@ -277,14 +293,15 @@ def _save(path: str, obj: dict) -> None:
 
 
 def ratios(systems: dict) -> dict:
-    """(c)/(a) and (c)/(b) of decode tokens/s, prefill time and peak memory, where both are recorded."""
+    """(c)/(a), (c)/(b) and (d)/(c) of decode tokens/s, prefill time and peak memory, where both are recorded."""
     out = {}
-    c = systems.get("unimem", {})
-    for other in ("eager", "static"):
-        o = systems.get(other, {})
-        for key in ("decode_tokens_per_s", "prefill_ms", "peak_memory_bytes"):
-            if c.get(key) and o.get(key):
-                out[f"{key}_unimem/{other}"] = c[key] / o[key]
+    for mine, others in (("unimem", ("eager", "static")), (FP8_SYSTEM, ("unimem",))):
+        c = systems.get(mine, {})
+        for other in others:
+            o = systems.get(other, {})
+            for key in ("decode_tokens_per_s", "prefill_ms", "peak_memory_bytes"):
+                if c.get(key) and o.get(key):
+                    out[f"{key}_{mine}/{other}"] = c[key] / o[key]
     return out
 
 
@@ -294,10 +311,11 @@ def run(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     start = time.perf_counter()
     configs = SMOKE_CONFIGS if args.smoke else CONFIGS
-    if args.configs:
-        patterns = args.configs.split(",")
+    patterns = args.configs.split(",") if args.configs else (FP8_CONFIGS if args.kv_dtype and not args.smoke else None)
+    if patterns:
         configs = [c for c in configs if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    systems = [s for s in SYSTEMS + (FP8_SYSTEM,) if s in args.systems.split(",")]
+    expected = ("unimem", FP8_SYSTEM) if args.kv_dtype else SYSTEMS
     if args.resume_from:
         seed_from_bundle(args.resume_from, args.out)
     env = environment(device)
@@ -352,7 +370,7 @@ def run(args) -> int:
             observed[system] = max(observed.get(system, 0.0), took)
             rec["systems"][system] = result
             rec["ratios"] = ratios(rec["systems"])
-            rec["complete"] = all(s in rec["systems"] for s in SYSTEMS)
+            rec["complete"] = all(s in rec["systems"] for s in expected)
             _save(path, rec)
             log(f"{cfg.name}: {LABELS[system]} done in {took:.1f} s"
                 + (f" ERROR {result['error'][:200]}" if "error" in result else
@@ -375,7 +393,7 @@ def run(args) -> int:
 def run_conditions(args) -> dict:
     """What a record's measurements depend on beyond its configuration: a resumed run must match them."""
     return {"new_tokens": args.new_tokens, "dtype": args.dtype, "seed": args.seed, "backend": args.backend,
-            "deferred_stop": args.deferred_stop}
+            "deferred_stop": args.deferred_stop, "kv_dtype": args.kv_dtype}
 
 
 def _num(value, fmt: str, width: int) -> str:
@@ -409,7 +427,7 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
         if not rec:
             continue
         r = rec.get("ratios", {})
-        for system in SYSTEMS:
+        for system in SYSTEMS + (FP8_SYSTEM,):
             s = rec["systems"].get(system)
             if s is None:
                 continue
@@ -421,6 +439,9 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
             if system == "unimem":
                 tail = "".join(f"{r[k]:>7.2f}" if k in r else f"{'-':>7}"
                                for k in ("decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static"))
+            elif system == FP8_SYSTEM:
+                key = f"decode_tokens_per_s_{FP8_SYSTEM}/unimem"
+                tail = f"   d/c {r[key]:.2f}" if key in r else ""
             lines.append(f"{cfg.name:<30}{LABELS[system]:<20}{_num(s.get('prefill_ms'), '.1f', 11)}"
                          f"{_num(s.get('decode_tokens_per_s'), '.1f', 13)}{_num(s.get('ms_per_step'), '.2f', 9)}"
                          f"{_num(peak / 2**30 if peak else None, '.2f', 9)}"
@@ -438,7 +459,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (a CPU check of the whole path)")
     p.add_argument("--configs", default=None, help="comma-separated globs over names like kimi-linear-48b-4l_b32_p512")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of eager,static,unimem")
+    p.add_argument("--systems", default=None,
+                   help="subset of eager,static,unimem (default all three) and, with --kv-dtype, unimem_fp8 "
+                        "(default with --kv-dtype: unimem,unimem_fp8)")
+    p.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
+                   help="run (d) unimem_fp8 with this KV dtype beside (c); default configuration "
+                        f"{FP8_CONFIGS[0]} (the bundle is generate_fp8_<date>.json)")
     p.add_argument("--deadline-s", type=float, default=None, help="stop before a system that would end past this")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (4 with --smoke)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per system, best kept (default 2; 1 smoke)")
@@ -460,9 +486,13 @@ def main(argv=None) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"bench_generate: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS))
+    if args.systems is None:
+        args.systems = f"unimem,{FP8_SYSTEM}" if args.kv_dtype else ",".join(SYSTEMS)
+    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS) - ({FP8_SYSTEM} if args.kv_dtype else set()))
     if unknown:
-        print(f"bench_generate: unknown --systems {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
+        choices = list(SYSTEMS) + ([FP8_SYSTEM] if args.kv_dtype else [])
+        hint = f" ({FP8_SYSTEM} needs --kv-dtype)" if FP8_SYSTEM in unknown else ""
+        print(f"bench_generate: unknown --systems {unknown}; choose from {choices}{hint}", file=sys.stderr)
         return 2
     args.new_tokens = args.new_tokens if args.new_tokens is not None else (4 if args.smoke else 64)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 2)
