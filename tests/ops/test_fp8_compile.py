@@ -41,6 +41,11 @@ for fnuz in (False, True):
             row, FP8_MAX=240.0 if fnuz else 448.0, FNUZ=fnuz, BLOCK_T=1, NORM=norm, IN_DTYPE=tl.bfloat16,
             PROD_DTYPE=tl.bfloat16))
     out[f"gather fnuz={fnuz}"] = build(mla_gather._mla_gather_fp8_kernel, gather, dict(row, FNUZ=fnuz, BLOCK_N=16))
+# the bf16 write kernel shares its row translation and norm helpers with the fp8 one
+bf16 = dict(out_ptr="*bf16", v2p_ptr="*i64", loc_ptr="*i64", nope_ptr="*bf16", rope_ptr="*bf16", weight_ptr="*bf16",
+            eps="fp32")
+out["write bf16"] = build(mla_write._mla_kv_write_kernel, bf16, dict(R=512, DR=64, R_P2=512, DR_P2=64, BLOCK_T=1,
+                          VEC=8, NORM=True, IN_DTYPE=tl.bfloat16, PROD_DTYPE=tl.bfloat16))
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -56,7 +61,7 @@ def compiled(tmp_path_factory):
 
 
 def test_both_formats_build_for_sm90_without_fp8_conversion_instructions(compiled):
-    assert len(compiled) == 6
+    assert len(compiled) == 7  # 4 fp8 writes, 2 fp8 gathers, the bf16 write
     for name, k in compiled.items():
         assert k["fp8_cvt"] == 0, name
 
