@@ -37,9 +37,11 @@ gather = dict(out_ptr="*bf16", code_ptr="*u8", scale_ptr="*fp32", rope_ptr="*bf1
 out = {}
 for fnuz in (False, True):
     for norm in (False, True):
-        out[f"write fnuz={fnuz} norm={norm}"] = build(mla_write._mla_kv_write_fp8_kernel, write, dict(
-            row, FP8_MAX=240.0 if fnuz else 448.0, FNUZ=fnuz, BLOCK_T=1, NORM=norm, IN_DTYPE=tl.bfloat16,
-            PROD_DTYPE=tl.bfloat16))
+        # the plain write takes fp32 inputs (an fp32 model: its rope is rounded to bf16 in the kernel)
+        ty = tl.bfloat16 if norm else tl.float32
+        types = dict(write, **({} if norm else dict(nope_ptr="*fp32", rope_ptr="*fp32", weight_ptr="*fp32")))
+        out[f"write fnuz={fnuz} norm={norm}"] = build(mla_write._mla_kv_write_fp8_kernel, types, dict(
+            row, FP8_MAX=240.0 if fnuz else 448.0, FNUZ=fnuz, BLOCK_T=1, NORM=norm, IN_DTYPE=ty, PROD_DTYPE=ty))
     out[f"gather fnuz={fnuz}"] = build(mla_gather._mla_gather_fp8_kernel, gather, dict(row, FNUZ=fnuz, BLOCK_N=16))
 # the bf16 write kernel shares its row translation and norm helpers with the fp8 one
 bf16 = dict(out_ptr="*bf16", v2p_ptr="*i64", loc_ptr="*i64", nope_ptr="*bf16", rope_ptr="*bf16", weight_ptr="*bf16",
