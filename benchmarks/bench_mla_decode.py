@@ -81,6 +81,23 @@ def read_ceiling_tbs(gib: float = 4.0) -> float:
     return n * 4 / ms / 1e9
 
 
+class SameSizeRead:
+    """A plain grid-stride read of a given number of bytes, timed exactly as the decode kernel is (CUDA-graph
+    replay under do_bench's L2 flush): what those bytes cost under the measurement's own conditions. do_bench
+    flushes L2 by zero-filling 256 MB, so the next kernel first writes back up to 50 MB of dirty lines, a
+    fixed cost that dominates small points (fourth session, benchmarks/RESULTS.md)."""
+
+    def __init__(self, max_bytes: int):
+        self.words = torch.randint(-(2**31), 2**31 - 1, (max_bytes // 4 + 1,), dtype=torch.int32, device="cuda")
+        self.grid = torch.cuda.get_device_properties(0).multi_processor_count * 8
+        self.out = torch.empty(self.grid, dtype=torch.int32, device="cuda")
+
+    def tbs(self, nbytes: int) -> float:
+        n = nbytes // 4
+        ms = bench_graph(lambda: _read_kernel[(self.grid,)](self.words, self.out, n, BLOCK=4096, num_warps=8))
+        return n * 4 / ms / 1e9
+
+
 def effective_bytes(batch: int, context: int, row_bytes: int = D * 2) -> int:
     return batch * context * row_bytes + batch * H * (D + R) * 2
 
@@ -254,7 +271,7 @@ def l2_ceiling(kernel: str) -> dict:
         a = setup.args(*setup.inputs(batch, context), sm_scale)
         ms = hot_ms(lambda: torch.ops.unimem.mla_decode(*a))
         tflops = batch * context * flops_per_token() / ms / 1e9
-        tbs = effective_bytes(batch, context, row_bytes) / ms / 1e9
+        tbs = effective_bytes(batch, context) / ms / 1e9
         out["points"].append({"batch": batch, "context": context, "graph_ms_hot": ms, "tflops": tflops,
                               "tbs_from_l2": tbs, "kv_bytes": batch * context * D * 2})
         print(f"{'':>36} {batch:>5} {context:>7} {ms * 1e3:>8.1f} {tflops:>8.1f} {tbs:>6.2f}")
@@ -274,7 +291,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here (a file, or a folder: the name of record)")
     ap.add_argument("--quick", action="store_true", help="a few points only")
-    ap.add_argument("--max-tokens", type=int, default=4 * 2**20, help="skip points with more tokens in total")
+    ap.add_argument("--max-tokens", type=int, default=8 * 2**20,
+                    help="skip points with more tokens in total (8M tokens: a 67 GB arena of 7-layer pages)")
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
                     help="the rows' dtype (default bf16)")
@@ -295,7 +313,7 @@ def main() -> None:
         return
     kernel = kernel_name(args.kernel, kv_dtype)
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
-    contexts = [1024, 4096, 16384, 32768] if not args.quick else [4096]
+    contexts = [1024, 4096, 16384, 32768, 65536, 131072] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
 
     ceiling = read_ceiling_tbs()
@@ -319,7 +337,9 @@ def main() -> None:
         "points": [],
     }
     print(f"HBM read ceiling: {ceiling:.2f} TB/s; stage-1 kernel: {result['kernel']}")
-    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8}")
+    same_size = SameSizeRead(max(effective_bytes(b, c, row_bytes) for b, c in points))
+    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8} "
+          f"{'same-size read TB/s':>19}")
     for batch, context in points:
         q_nope, q_rope, page_table, kv_len = setup.inputs(batch, context)
         a = setup.args(q_nope, q_rope, page_table, kv_len, sm_scale)
@@ -328,11 +348,14 @@ def main() -> None:
         tbs = effective_bytes(batch, context, row_bytes) / ms / 1e9
         splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device,
                                           blocks_per_sm=result["defaults"]["blocks_per_sm"])
+        read_tbs = same_size.tbs(effective_bytes(batch, context, row_bytes))
         result["points"].append({"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
                                  "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms,
+                                 "same_size_read_tbs": read_tbs, "fraction_of_same_size_read": tbs / read_tbs,
                                  "tflops": batch * context * flops_per_token() / ms / 1e9})
         print(f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "
-              f"{eager_ms * 1e3:>8.1f}")
+              f"{eager_ms * 1e3:>8.1f} {read_tbs:>19.2f}")
+    del same_size
     result["host_us_per_call"] = {
         "op": cpu_us_per_call(lambda: torch.ops.unimem.mla_decode(*a)),
         "launcher": cpu_us_per_call(lambda: md.mla_decode_triton(*a)),

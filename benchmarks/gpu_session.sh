@@ -3,8 +3,12 @@
 # device tool returns at most 8 files). Steps run in the order given, each under its own time limit, so a
 # step that hangs or fails costs only its own slot.
 #   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
-#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode demo_real bench_passes bench_state_passes
-#          bench_generate
+#   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's)
+#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#          bench_mla_prefill_sweep
+#          demo_real bench_passes bench_state_passes bench_generate
+#          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
+#          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2 demo_real_fp8
 #          bench_generate_fp8
 set -u
@@ -29,6 +33,8 @@ export TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
 run_step() {  # run_step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  local override="LIMIT_$name"
+  limit=${!override:-$limit}  # LIMIT_<step>=SECONDS overrides a step's time limit
   local start=$(date +%s)
   echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" "$@" >> "$LOG" 2>&1
@@ -37,16 +43,29 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case "$s" in
-    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu --ignore=tests/gpu/test_fp8_gpu.py  # fp8_tests: its own slot
+    # fp8_tests runs tests/gpu/test_fp8_gpu.py in its own slot
+    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py}
                run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
-    bench_mla_decode) run_step bench_mla_decode 100 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
+    bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
+    sweep_mla_decode_small) run_step sweep_mla_decode_small 300 python3 -P benchmarks/sweep_mla_decode.py --small-batch \
+                              --budget-s "${SWEEP_BUDGET:-260}" --out "$OUT/json/mla_decode_small_sweep.json" ;;
+    bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
+    bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
+                               --out "$OUT/json/mla_prefill_sweep.json" ;;
     demo_real) run_step demo_real 165 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json ;;
     bench_passes) run_step bench_passes 200 python3 -P benchmarks/bench_passes.py --out "$OUT/json/passes.json" ;;
     bench_state_passes) run_step bench_state_passes 150 python3 -P benchmarks/bench_state_passes.py --cudagraphs --batches 32 --out "$OUT/json/state_passes.json" ;;
     bench_generate) run_step bench_generate "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --out /tmp/gen \
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate.json" ;;
+    bench_tp) run_step bench_tp_1 "${TP_LIMIT:-290}" python3 -P benchmarks/bench_tp.py --out "$OUT/json/tp1.json" \
+                --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))"
+              run_step bench_tp_2 "${TP_LIMIT:-290}" env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+                NVSHMEM_DISABLE_NVLS=1 python3 -P -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py \
+                --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
+    tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+                  python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
     fp8_tests) run_step fp8_tests 300 python3 -P -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_fp8_gpu.py ;;
     bench_mla_write_fp8) run_step bench_mla_write_fp8 90 python3 -P benchmarks/bench_mla_write.py --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;
     # --quick until the split kernels read fp8 rows (the op runs its plain-torch path on fp8 geometries)

@@ -4,6 +4,9 @@ each compiled variant's registers and shared memory; then the partial-output dty
 page lookup (page size 1). Geometry and byte counting as in bench_mla_decode.py.
 
 usage: python benchmarks/sweep_mla_decode.py --out sweep.json [--budget-s 240]
+       python benchmarks/sweep_mla_decode.py --small-batch --out small.json   (split count x partial dtype x
+           merge tile of the default stage-1 kernel at batch 1-64, contexts 1k-128k; the merge tile
+           ``--merge 512x1`` is the one-program-per-(row, head) loop the merge was before)
 
 The token-major form of the kernel (``--layouts heads,tokens``) was measured with this script at commit
 8f210b6 and removed afterwards (benchmarks/RESULTS.md).
@@ -60,7 +63,12 @@ def main() -> None:
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--bps", default="1,2,3,4", help="blocks per SM assumed by the split count")
+    ap.add_argument("--small-batch", action="store_true", help="the small-batch sweep (see the module doc)")
+    ap.add_argument("--merge", default="64x32,128x16,32x64,512x1", help="merge tiles RxS for --small-batch")
+    ap.add_argument("--splits", default="0,16,33,66,132,264", help="split counts for --small-batch (0: default)")
     args = ap.parse_args()
+    if args.small_batch:
+        return small_batch_sweep(args)
     t_start = time.time()
     res = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
@@ -170,6 +178,63 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             res["extra"][f"ps1_bn{bn}_w{w}_st{st}"] = repr(e)[:200]
     print("extra", res["extra"], flush=True)
+    res["elapsed_s"] = time.time() - t_start
+    dump()
+
+
+def small_batch_sweep(args) -> None:
+    """Split count, partial dtype and merge tile of the default stage-1 kernel where the batch is small."""
+    t_start = time.time()
+    res = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "torch": torch.__version__,
+           "triton": triton.__version__, "timing": "CUDA-graph replay, do_bench median", "points": []}
+    res["read_ceiling_tbs"] = read_ceiling_tbs()
+    shapes = [(b, c) for b in (1, 8, 32, 64) for c in (1024, 4096, 16384, 32768, 65536, 131072)
+              if b * c <= 4 * 2**20]
+    setup = Setup(max(b * c for b, c in shapes))
+    sm_scale = 192 ** -0.5
+    merges = [tuple(int(v) for v in m.split("x")) for m in args.merge.split(",")]
+    split_list = [int(v) for v in args.splits.split(",")]
+
+    def dump():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    # correctness of every merge tile at a many-split ragged point, against the fp32 reference
+    qn, qr, pt, kl = setup.inputs(4, 32768)
+    kl.copy_(torch.tensor([1, 100, 20000, 32768], dtype=torch.int32))
+    a = setup.args(qn, qr, pt, kl, sm_scale)
+    want = md.mla_decode_reference(*a).float()
+    for mr, ms_ in merges:
+        for splits in (7, 132):
+            got = md.mla_decode_triton(*a, num_splits=splits, merge_block_r=mr, merge_block_s=ms_).float()
+            res.setdefault("correctness", []).append({"merge": f"{mr}x{ms_}", "splits": splits,
+                                                      "max_abs_err": float((got - want).abs().max())})
+    print("correctness", res["correctness"], flush=True)
+    for batch, context in shapes:
+        if time.time() - t_start > args.budget_s:
+            print("budget exhausted", flush=True)
+            break
+        qn, qr, pt, kl = setup.inputs(batch, context)
+        a = setup.args(qn, qr, pt, kl, sm_scale)
+        tiles = context // 64
+        line = []
+        for splits in split_list:
+            if splits > tiles:
+                continue
+            for pdt in (torch.float32, torch.bfloat16):
+                for mr, ms_ in (merges if splits == 0 and pdt == torch.float32 else merges[:1]):
+                    kw = {"partial_dtype": pdt, "merge_block_r": mr, "merge_block_s": ms_}
+                    if splits:
+                        kw["num_splits"] = splits
+                    t = bench_graph(lambda: md.mla_decode_triton(*a, **kw))
+                    tbs = effective_bytes(batch, context) / t / 1e9
+                    res["points"].append({"batch": batch, "context": context, "splits": splits,
+                                          "partial": str(pdt), "merge": f"{mr}x{ms_}", "us": t * 1e3,
+                                          "tbs": tbs})
+                    line.append(f"{splits}/{str(pdt)[-4:]}/{mr}x{ms_}:{tbs:.2f}")
+        print(f"{batch}x{context}", " ".join(line), flush=True)
+        dump()
     res["elapsed_s"] = time.time() - t_start
     dump()
 

@@ -218,30 +218,65 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H, num_splits,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # program (row b, head h): log-sum-exp merge of the used splits' normalised partial outputs
+    # program (row b, head h, value columns c*BLOCK_R + [0, BLOCK_R)): log-sum-exp merge of the used splits'
+    # normalised partial outputs. The columns are split over programs and the splits are read BLOCK_S at a
+    # time as one [BLOCK_S, BLOCK_R] tile (independent loads, not a chain of one split after another), so a
+    # small batch with many splits (batch 1: B x H = 32 programs over up to 132 splits) still spreads the
+    # partials' bytes over the whole GPU.
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     n, split_len, _start, _end = _split_bounds(kv_len_ptr, b, 0, num_splits, max_tokens, BLOCK_N)
     used = tl.cdiv(n, tl.maximum(split_len, 1))
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
+    offs_s = tl.arange(0, BLOCK_S)
+    row = b.to(tl.int64) * num_splits
+    # pass 1: the largest log-sum-exp of the row's used splits (a few hundred bytes, L2-resident)
     m = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        s_ok = (s0 + offs_s) < used
+        lse = tl.load(part_lse_ptr + (row + s0 + offs_s) * H + h, mask=s_ok, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # kv_len 0: no split ran, the output is zeros
+    # pass 2: the weighted sum of the partials
     den = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(0, used):
-        slot = (b.to(tl.int64) * num_splits + s) * H + h
-        lse = tl.load(part_lse_ptr + slot)
-        o = tl.load(part_o_ptr + slot * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        scale = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * scale + w * o
-        den = den * scale + w
-        m = m_new
+    for s0 in range(0, used, BLOCK_S):
+        s_ok = (s0 + offs_s) < used
+        slot = (row + s0 + offs_s) * H + h
+        w = tl.exp2(tl.load(part_lse_ptr + slot, mask=s_ok, other=float("-inf")) - m)
+        o = tl.load(part_o_ptr + slot[:, None] * R + offs_r[None, :], mask=s_ok[:, None] & r_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None] * o, 0)
+        den += tl.sum(w, 0)
     out = acc / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + (b.to(tl.int64) * H + h) * R + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+#: Merge programs the default merge tile aims for, per SM: enough to spread a small batch's partials over the
+#: GPU without giving a large batch thousands of programs that each merge two partials.
+MERGE_PROGRAMS_PER_SM = 4
+#: Largest merge tile, in fp32 values ([splits per load, value columns]): 16 KiB of registers per program.
+MERGE_TILE_VALUES = 4096
+
+
+def merge_tile(batch: int, num_heads: int, kv_lora_rank: int, num_splits: int, sms: int) -> tuple[int, int]:
+    """Default merge tile ``(block_r, block_s)``: value columns per program and splits per load.
+
+    Columns are split over programs only as far as ``batch x heads`` programs fall short of
+    :data:`MERGE_PROGRAMS_PER_SM` per SM (at least 32 columns each), and a load covers every split (at most
+    :data:`MERGE_TILE_VALUES` values). Measured on an H200 (benchmarks/RESULTS.md, the small-batch sweep):
+    at batch 1 one program per (row, head) over 132 splits held decode at 0.79 TB/s at 32k context where 32
+    columns x 64 splits per program gave 1.14; at batch 32-64 and short contexts (2-4 splits) the
+    column-split tile lost up to 40% against one program per (row, head)."""
+    r_pow2 = triton.next_power_of_2(kv_lora_rank)
+    chunks = triton.next_power_of_2(max(1, triton.cdiv(MERGE_PROGRAMS_PER_SM * sms, max(1, batch * num_heads))))
+    block_r = max(min(32, r_pow2), r_pow2 // chunks)
+    block_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_TILE_VALUES // block_r))
+    return block_r, block_s
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -250,13 +285,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size: int, device: torch.device,
                           *, block_n: int = 64, block_h: int = MAX_BLOCK_H, blocks_per_sm: int = BLOCKS_PER_SM) -> int:
     """Split count of the stage-1 grid: the largest that keeps ``batch x splits x head groups`` within one
     wave of resident blocks (``blocks_per_sm x SMs``), at least 1, at most one split per ``block_n`` tile
     of a full row (``max_pages x page_size`` tokens). Depends on static sizes only (never on ``kv_len``)."""
-    sms = INTERPRETER_SMS if device.type != "cuda" else _sm_count(device.index if device.index is not None
-                                                                    else torch.cuda.current_device())
+    sms = _device_sms(device)
     groups = triton.cdiv(num_heads, block_h)
     tiles = triton.cdiv(max_pages * page_size, block_n)
     return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
@@ -279,7 +319,8 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, merge_block_r: int | None = None,
+    merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
@@ -303,6 +344,8 @@ def mla_decode_triton(
             default split count assumes one resident program per SM.
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
             :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
+        merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
+            two; default :func:`merge_tile`).
 
     An fp8 ``kv_dtype`` runs :func:`mla_decode_reference` on the tensors' device instead of a split kernel
     (the knobs are checked, then unused; ``kernel="wgmma"`` raises): the kernels do not read scaled rows yet.
@@ -331,6 +374,9 @@ def mla_decode_triton(
     if block_h is not None:
         check_knob(op, "block_h", block_h, low=16, power_of_two=True)
     check_knob(op, "wgmma_stages", wgmma_stages)
+    for name, value in (("merge_block_r", merge_block_r), ("merge_block_s", merge_block_s)):
+        if value is not None:
+            check_knob(op, name, value, power_of_two=True)
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
     if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
@@ -400,14 +446,17 @@ def mla_decode_triton(
             return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry,
                                      num_splits=num_splits,
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
-                                     partial_dtype=partial_dtype, kernel="portable")
+                                     partial_dtype=partial_dtype, kernel="portable", merge_block_r=merge_block_r,
+                                     merge_block_s=merge_block_s)
     else:
         _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
     if splits > 1:
-        _mla_decode_merge_kernel[(B, H)](
+        auto_r, auto_s = merge_tile(B, H, R, splits, _device_sms(q_nope.device))
+        block_r, block_s = merge_block_r or auto_r, merge_block_s or auto_s
+        _mla_decode_merge_kernel[(B, H, triton.cdiv(R, block_r))](
             part_o, part_lse, kv_len, out, P * page_size, H, splits,
-            R=R, BLOCK_R=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
+            R=R, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=4,
         )
     return out
 

@@ -9,7 +9,7 @@ See docs/design.md (architecture), README.md (usage) and benchmarks/RESULTS.md (
 
 from . import errors
 from .compile import compile
-from .errors import GeometryError, InvalidFree, PoolExhausted, UnimemError, UnsupportedModel
+from .errors import GeometryError, InvalidFree, PoolExhausted, RankMismatch, UnimemError, UnsupportedModel
 from .hf.cache import UnifiedCache
 from .hf.runtime import DEFERRED_STOP_MIN_ROWS, UnimemHandle
 from .options import CompileOptions
@@ -25,6 +25,7 @@ __all__ = [
     "GeometryError",
     "InvalidFree",
     "PoolExhausted",
+    "RankMismatch",
     "UnimemError",
     "UnsupportedModel",
     "errors",

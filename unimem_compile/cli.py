@@ -25,6 +25,9 @@ def _pool_info(args: argparse.Namespace) -> int:
         print(f"unimem-compile pool-info: --page-size must be a positive number of tokens, got {args.page_size}",
               file=sys.stderr)
         return 2
+    if args.tp is not None and args.tp <= 0:
+        print(f"unimem-compile pool-info: --tp must be a positive number of ranks, got {args.tp}", file=sys.stderr)
+        return 2
     budget = int(args.budget_gib * GIB)
     if budget < 1:
         print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
@@ -35,7 +38,12 @@ def _pool_info(args: argparse.Namespace) -> int:
 
         kv = dataclasses.replace(kv, dtype=kv_dtype_of(args.kv_dtype))
     try:
-        info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
+        if args.tp is None:
+            info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
+        else:
+            from .tp.sizing import pool_info_tp
+
+            info = pool_info_tp(kv, state, budget, args.page_size, args.tp, geometry_name=args.geometry)
     except GeometryError as e:  # e.g. a budget below one page envelope + one state slot
         print(f"unimem-compile pool-info: {e}", file=sys.stderr)
         return 2
@@ -44,7 +52,8 @@ def _pool_info(args: argparse.Namespace) -> int:
         return 0
     r = info["request_4096"]
     print(f"geometry            {info['geometry']}")
-    print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)")
+    print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)"
+          + (f" per rank of {info['tp']}: full latent rows, 1/{info['tp']} of every state" if "tp" in info else ""))
     if kv is not None:
         print(f"KV rows             {str(kv.dtype).replace('torch.', '')}, {kv.entry_bytes:,} bytes per token per layer"
               + (" (fp8 latent + fp32 scale per 128 values + bf16 rope, padded to 16 bytes)" if kv.scaled_rows else ""))
@@ -126,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
                    help="KV dtype of the geometry's MLA rows (default: the geometry's, bf16); fp8_e4m3 sizes "
                         "scaled fp8 rows (656 bytes per token and layer at 512 + 64)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree: the figures of ONE rank's arena of --budget-gib (full latent rows, "
+                        "1/N of the KDA heads' states); the JSON gains the key tp")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_pool_info)
 

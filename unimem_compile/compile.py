@@ -91,9 +91,15 @@ def _layout(adapter: ModelAdapter, options: CompileOptions, device: torch.device
     return ArenaLayout(budget, page_size, kv, state)
 
 
-def _build_pool(adapter: ModelAdapter, options: CompileOptions, device: torch.device) -> UnifiedPool:
-    """The model's pool, its arena and tables marked as static addresses for Dynamo (they never move)."""
-    layout = _layout(adapter, options, device)
+def _build_pool(adapter: ModelAdapter, options: CompileOptions, device: torch.device, tp=None) -> UnifiedPool:
+    """The model's pool, its arena and tables marked as static addresses for Dynamo (they never move). Under
+    tensor parallelism every rank agrees on one budget (the smallest, when a fraction of free memory
+    resolves differently), so all ranks have the same pages and slots."""
+    if tp is None:
+        layout = _layout(adapter, options, device)
+    else:
+        layout = tp.agree_budget(lambda: _layout(adapter, options, device),
+                                 lambda budget: ArenaLayout(budget, options.page_size, adapter.kv_spec, adapter.state_spec))
     with torch.inference_mode(False):  # compile() under inference_mode: the pool is written outside it too
         pool = UnifiedPool(layout, device)
     for tensor in (pool.arena, pool.v2p, pool.p2v, pool.s_v2p, pool.s_p2v):
@@ -118,6 +124,12 @@ def _check_device_options(options: CompileOptions, device: torch.device) -> None
     if options.deferred_stop_check and device.type != "cuda":
         raise ValueError(f"deferred_stop_check=True needs a CUDA model (transformers' DeferredStopCheck waits on "
                          f"device events); the model is on {device}")
+
+
+def _connect_tensor_parallel():
+    from .tp.group import TensorParallel  # torch.distributed is imported only by tensor-parallel launches
+
+    return TensorParallel.connect()
 
 
 def _own_entry(fn, tag: int):
@@ -146,6 +158,7 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     backend: str = "inductor",
     cudagraphs: bool = False,
     deferred_stop_check: bool | None = None,
+    tensor_parallel: bool = False,
 ):
     """Give ``model`` a unified memory pool and a compiled forward; returns the same model object.
 
@@ -180,6 +193,14 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
             benchmarks/RESULTS.md); True: every
             CUDA call; False: never. Never used for a cache the caller passes (it cannot roll a step back).
             True on a CPU model raises ValueError.
+        tensor_parallel: shard the model over torch.distributed's default process group, whose world size is
+            the tensor-parallel degree (docs/design.md section 9): every rank (one process each, e.g. under
+            ``torchrun``) builds or loads the same model and calls ``compile`` with the same options; the
+            model's parameters are replaced IN PLACE by this rank's shard (MLA and KDA heads, MLP / expert
+            widths, the vocabulary of ``lm_head``), its config then describes the shard, and the pool holds
+            this rank's KDA heads' states (the latent rows whole). The ranks check that they agree (model,
+            weights, options, budget) and all raise RankMismatch if not; generate() then runs on every rank
+            with the same inputs.
 
     Returns:
         ``model``, with ``model.unimem`` (:class:`~unimem_compile.hf.runtime.UnimemHandle`).
@@ -195,24 +216,48 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
             a CPU model (``cudagraphs=True`` there only warns: Inductor ignores it);
             ``kv_dtype`` is neither a torch dtype nor the name of one.
         OSError: ``UNIMEM_DUMP_GRAPHS`` names a folder that cannot be created or written.
+        RankMismatch: (tensor parallel) another rank failed its checks, the ranks' models, weights, options
+            or versions differ, or the ranks did not meet within ``UNIMEM_TP_TIMEOUT`` seconds. With
+            ``tensor_parallel=True`` UnsupportedModel also means no initialised default process group, an
+            NCCL group for a model off CUDA or a parameter the plan has no rule for, and GeometryError a
+            world size that does not divide the heads or an intermediate size; every rank raises.
     """
     from unimem_compile.passes import make_pass_manager
     from unimem_compile.passes.manager import check_dump_dir
 
-    if hasattr(model, "unimem"):
-        raise UnsupportedModel(f"{type(model).__name__} was compiled by unimem_compile already")
-    check_dump_dir()  # a bad UNIMEM_DUMP_GRAPHS fails here, not inside the first generate()'s compile
-    # options are checked before anything is built: a model compiled once cannot be compiled again
-    options = CompileOptions(max_batch_size=max_batch_size, max_seq_len=max_seq_len, memory_budget=memory_budget,
-                             page_size=page_size, kv_dtype=kv_dtype, passes=passes, backend=backend,
-                             cudagraphs=cudagraphs, deferred_stop_check=deferred_stop_check)
+    # a tensor-parallel launch connects first (a collective): every check below is then agreed by all ranks
+    tp = _connect_tensor_parallel() if tensor_parallel is True else None
+
+    def check() -> CompileOptions:
+        if hasattr(model, "unimem"):
+            raise UnsupportedModel(f"{type(model).__name__} was compiled by unimem_compile already")
+        if getattr(model, "_unimem_sharded", False):
+            raise UnsupportedModel(f"this {type(model).__name__} holds one rank's tensor-parallel shard from a "
+                                   "compile() that failed after sharding it; build or load the model again")
+        check_dump_dir()  # a bad UNIMEM_DUMP_GRAPHS fails here, not inside the first generate()'s compile
+        # options are checked before anything is built: a model compiled once cannot be compiled again
+        options = CompileOptions(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                 memory_budget=memory_budget, page_size=page_size, kv_dtype=kv_dtype, passes=passes,
+                                 backend=backend, cudagraphs=cudagraphs, deferred_stop_check=deferred_stop_check,
+                                 tensor_parallel=tensor_parallel)
+        adapter_for(model, options.kv_dtype)  # the family and the dtype, before a shard changes anything
+        device = _model_device(model)
+        _check_device_options(options, device)
+        if tp is not None:
+            tp.check_device(device)
+            tp.plan_for(model)
+        return options
+
+    options = check() if tp is None else tp.check_launch(model, check)
+    if tp is not None:
+        tp.shard(model)  # in place: the config now describes this rank's heads, so the adapter sizes its states
     adapter = adapter_for(model, options.kv_dtype)
     device = _model_device(model)
-    _check_device_options(options, device)
     manager = make_pass_manager(options.passes)
-    pool = _build_pool(adapter, options, device)
+    pool = _build_pool(adapter, options, device, tp)
     handle = UnimemHandle(model, adapter, pool, options.max_batch_size, options.max_seq_len, manager,
                           deferred_stop_check=options.deferred_stop_check)
+    handle.tensor_parallel = tp
     compiled = torch.compile(_own_entry(model.forward, len(_COMPILED)),
                              backend=manager.backend(options.backend, options.cudagraphs_for(device)), fullgraph=True)
     _COMPILED.append(type(model).__name__)

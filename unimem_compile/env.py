@@ -9,6 +9,7 @@ project, so the pool, the ops and the passes can all use it.
 | ``UNIMEM_DEBUG`` | ``1``, or anything else | unset | ``1``: every op launcher checks its ids against the live set (one device sync per call) and a ``UnifiedPool`` poisons free pages and slots with NaN bytes (docs/reliability.md) |
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_MLA_DECODE_KERNEL`` | ``auto``, ``portable``, ``wgmma`` | ``auto`` | the stage-1 form of every ``mla_decode`` launch that passes no ``kernel=`` (benchmarks, A/B runs); another value makes the launch raise ValueError |
+| ``UNIMEM_TP_TIMEOUT`` | seconds (a positive number) | ``300`` | how long a tensor-parallel rank waits for the others at a host-side check (``compile(tensor_parallel=True)``, each ``generate()`` call) before it raises ``RankMismatch``; another value makes those raise ValueError |
 | ``TRITON_INTERPRET`` | ``1``, or anything else | unset | read by Triton when a kernel is defined (set it before importing ``unimem_compile``); ``1`` also lets the Triton launchers take CPU tensors |
 
 The shell scripts read two more, which the package never does: ``UNIMEM_VENV`` (``scripts/*.sh``: the
@@ -20,13 +21,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DEBUG", "DUMP_GRAPHS", "MLA_DECODE_KERNEL", "debug", "dump_graphs", "mla_decode_kernel",
-           "triton_interpret"]
+__all__ = ["DEBUG", "DUMP_GRAPHS", "MLA_DECODE_KERNEL", "TP_TIMEOUT", "debug", "dump_graphs", "mla_decode_kernel",
+           "tp_timeout_s", "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
 DEBUG = "UNIMEM_DEBUG"
 DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
 MLA_DECODE_KERNEL = "UNIMEM_MLA_DECODE_KERNEL"
+TP_TIMEOUT = "UNIMEM_TP_TIMEOUT"
+
+#: seconds a tensor-parallel host-side check waits for the other ranks when UNIMEM_TP_TIMEOUT is unset: long
+#: enough for ranks that load a large checkpoint at different speeds to meet at compile()
+TP_TIMEOUT_DEFAULT_S = 300.0
 
 
 def debug() -> bool:
@@ -43,6 +49,24 @@ def mla_decode_kernel() -> str | None:
     """The ``UNIMEM_MLA_DECODE_KERNEL`` override of ``mla_decode``'s stage-1 form (unchecked here: the
     launcher refuses a value that is not one of its kernels), or None when it is unset or empty."""
     return os.environ.get(MLA_DECODE_KERNEL) or None
+
+
+def tp_timeout_s() -> float:
+    """Seconds a tensor-parallel host-side check waits for the other ranks (``UNIMEM_TP_TIMEOUT``, default
+    :data:`TP_TIMEOUT_DEFAULT_S`).
+
+    Raises:
+        ValueError: the variable is set to something that is not a positive, finite number."""
+    raw = os.environ.get(TP_TIMEOUT)
+    if not raw:
+        return TP_TIMEOUT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TP_TIMEOUT} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def triton_interpret() -> bool:

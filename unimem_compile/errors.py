@@ -6,7 +6,7 @@ one). An operation that raises leaves the pool (arena bytes and tables) exactly 
 
 from __future__ import annotations
 
-__all__ = ["UnimemError", "PoolExhausted", "InvalidFree", "GeometryError", "UnsupportedModel"]
+__all__ = ["UnimemError", "PoolExhausted", "InvalidFree", "GeometryError", "UnsupportedModel", "RankMismatch"]
 
 
 class UnimemError(Exception):
@@ -51,3 +51,11 @@ class GeometryError(UnimemError, ValueError):
 
 class UnsupportedModel(UnimemError):
     """A model family unimem-compile has no adapter for, or a config it cannot map onto the pool."""
+
+
+class RankMismatch(UnimemError):
+    """The ranks of a tensor-parallel launch disagree, so none of them goes on: different models, weights,
+    options or pool budgets at ``compile(tensor_parallel=True)``, different inputs to a ``generate()`` call,
+    different page tables (checked under ``UNIMEM_DEBUG=1``), another rank that failed a check this one
+    passed, or ranks that did not meet within ``UNIMEM_TP_TIMEOUT`` seconds. Every rank raises it (the rank
+    that failed raises its own error), so no rank is left waiting in a collective."""

@@ -83,11 +83,12 @@ class CompileOptions:
             off elsewhere: :meth:`cudagraphs_for`). ``compile()``'s default is False.
         deferred_stop_check: True, False or None (automatic: CUDA generate() calls of at least
             ``DEFERRED_STOP_MIN_ROWS`` rows).
+        tensor_parallel: shard the model over torch.distributed's default process group (a bool).
 
     Raises (in ``__post_init__``, in this order):
         ValueError: ``backend`` is not a registered backend name (the message lists them).
-        TypeError: ``cudagraphs`` / ``deferred_stop_check`` is not one of the values above; ``kv_dtype``
-            is neither a torch dtype nor the name of one.
+        TypeError: ``cudagraphs`` / ``deferred_stop_check`` / ``tensor_parallel`` is not one of the values
+            above; ``kv_dtype`` is neither a torch dtype nor the name of one.
         GeometryError: a size that is not a positive int; a ``memory_budget`` that is none of the forms
             above.
         ValueError / TypeError: ``passes`` names an unknown rewrite / is none of the accepted forms (a
@@ -103,6 +104,7 @@ class CompileOptions:
     backend: str = "inductor"
     cudagraphs: bool | None = False
     deferred_stop_check: bool | None = None
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         # imported on use, as compile() imports the passes: they pull in Inductor, which importing
@@ -118,6 +120,8 @@ class CompileOptions:
                             "models, off elsewhere)")
         if not any(self.deferred_stop_check is a for a in (None, False, True)):
             raise TypeError(f"deferred_stop_check must be one of None, False, True, got {self.deferred_stop_check!r}")
+        if self.tensor_parallel is not True and self.tensor_parallel is not False:
+            raise TypeError(f"tensor_parallel must be False or True, got {self.tensor_parallel!r}")
         object.__setattr__(self, "kv_dtype", kv_dtype_of(self.kv_dtype))
         for name in ("max_batch_size", "max_seq_len", "page_size"):
             value = getattr(self, name)

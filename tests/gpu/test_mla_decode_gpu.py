@@ -76,7 +76,7 @@ def test_bf16_matches_the_fp32_reference_at_kimi_geometry(page_size, gen):
         _assert_close(md.mla_decode_triton(*args, kernel="portable", **kw), want, 1e-2)
     if page_size % 64 == 0 and HOPPER:
         for kw in ({}, {"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"block_h": 16},
-                   {"partial_dtype": torch.bfloat16}):
+                   {"partial_dtype": torch.bfloat16}, {"num_splits": 132, "merge_block_r": 128, "merge_block_s": 16}):
             _assert_close(md.mla_decode_triton(*args, kernel="wgmma", **kw), want, 1e-2)
 
 

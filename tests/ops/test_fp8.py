@@ -270,3 +270,37 @@ def test_decode_on_fp8_rows_attends_over_the_values_gather_returns(fmt, gen):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
     with pytest.raises(ValueError, match="wgmma kernel needs"):
         md.mla_decode_triton(*args, kernel="wgmma")
+
+
+# ------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_on_fp8_rows_equals_prefill_on_their_dequantised_values(fmt, gen):
+    """The reference and the launcher (its plain-torch fp8 piece gather, then the attention kernel) read fp8
+    rows as exactly the bf16 values mla_gather returns: both equal the same op on a bf16 pool holding those
+    values, bit for bit, over several workspace pieces."""
+    mp = importlib.import_module("unimem_compile.ops.mla_prefill")
+    r, dr, h, dn, dv = 64, 16, 2, 16, 16
+    lens = [37, 5, 20]
+    pools, tables = {}, {}
+    for dtype in (fmt, torch.bfloat16):  # the same rows on each pool's own pages
+        pools[dtype], pages = _pool(dtype, r, dr, n_pages=9)
+        tables[dtype] = torch.tensor(pages, dtype=torch.int32).view(3, 3)
+
+    def locations(dtype, b, n):
+        i = torch.arange(n)
+        return tables[dtype][b].long()[i // PS] * PS + i % PS
+
+    p8 = pools[fmt]
+    for b, n in enumerate(lens):
+        rows = torch.randn(n, r + dr, generator=gen)
+        mw.mla_kv_write_triton(p8.arena, p8.v2p, locations(fmt, b, n), rows[:, :r], rows[:, r:], 1, L, PS, r, dr, fmt)
+        got = mg.mla_gather_triton(p8.arena, p8.v2p, tables[fmt][b:b + 1], torch.tensor([n], dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int32), n, 1, L, PS, r, dr, fmt)[0]
+        pools[torch.bfloat16].write_kv(1, locations(torch.bfloat16, b, n), got)
+    kv_len = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, h, 5, dn + dr, generator=gen)
+    w = torch.randn(h * (dn + dv), r, generator=gen) / 8
+    for fn in (mp.mla_prefill_reference, mp.mla_prefill_triton):
+        outs = [fn(q, p.arena, p.v2p, tables[dtype], kv_len, kv_len.clone(), w, 0.2, 16, 1, L, PS, r, dr, dtype)
+                for dtype, p in pools.items()]
+        assert torch.equal(outs[0], outs[1]) and not bool(outs[0].isnan().any())

@@ -102,6 +102,17 @@ def test_many_splits_of_one_tile_each(gen):
     torch.testing.assert_close(got.double(), dense_attention(qn, qr, paged.truth), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("merge_block_r, merge_block_s", [(16, 4), (64, 16)])
+def test_merge_tiles_over_columns_and_split_chunks_do_not_change_the_result(merge_block_r, merge_block_s, gen):
+    # 12 used splits read 4 at a time (three chunks) and R split over column programs: every partial of every
+    # column must be weighted by its own log-sum-exp exactly once
+    paged = Paged(16, [192, 37, 190], torch.float32, gen, spare_pages=2)
+    qn, qr = paged.queries(gen)
+    got = md.mla_decode_triton(*paged.args(qn, qr), num_splits=12, block_n=16, merge_block_r=merge_block_r,
+                               merge_block_s=merge_block_s)
+    torch.testing.assert_close(got.double(), dense_attention(qn, qr, paged.truth), atol=2e-5, rtol=2e-5)
+
+
 def test_tiles_spanning_several_small_pages_and_multiple_tiles_per_split(gen):
     paged = Paged(4, [61, 9, 33], torch.float16, gen)
     qn, qr = paged.queries(gen)
@@ -274,6 +285,8 @@ def test_kernel_choice_portable_on_cpu_and_explicit_wgmma_refused_where_it_does_
     ("block_h", 8, "block_h must be a power of two >= 16, got 8"),
     ("num_warps", 3, "num_warps must be a power of two >= 1, got 3"),
     ("num_stages", 0, "num_stages must be an int >= 1, got 0"),
+    ("merge_block_r", 48, "merge_block_r must be a power of two >= 1, got 48"),
+    ("merge_block_s", 0, "merge_block_s must be a power of two >= 1, got 0"),
     ("partial_dtype", torch.int32, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
     ("partial_dtype", torch.uint8, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.uint8"),
 ])

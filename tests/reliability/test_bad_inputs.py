@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from unimem_compile.errors import GeometryError
-from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_write, state, translate
+from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
 
 def _geometry(w):
     return dict(layer=w.KV_LAYER, layer_num=w.L, page_size=w.PS, kv_lora_rank=w.R, qk_rope_head_dim=w.DR,
@@ -51,6 +51,14 @@ def _kda_args(w, t: int | None):
                                     use_qk_l2norm=True)
 
 
+def _prefill_args(w):
+    # 3 queries per row (row 1 holds 3 tokens: no pad), qk_nope 8 + rope, v 8; 4-token pieces: three of them
+    dn = dv = 8
+    return (dict(q=w.randn(2, w.H, 3, dn + w.DR), arena=w.pool.arena, v2p=w.pool.v2p, page_table=w.page_table,
+                 kv_len=w.kv_len, kv_len_host=w.kv_len.cpu(), w_kv_b=w.randn(w.H * (dn + dv), w.R), sm_scale=0.2,
+                 workspace_tokens=4) | _geometry(w))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     op: Callable
@@ -78,6 +86,7 @@ FAMILIES = {
         torch.ops.unimem.mla_decode, mla_decode.mla_decode_triton,
         lambda w: dict(q_nope=w.randn(2, w.H, w.R), q_rope=w.randn(2, w.H, w.DR), arena=w.pool.arena, v2p=w.pool.v2p,
                        page_table=w.page_table, kv_len=w.kv_len, sm_scale=0.2) | _geometry(w)),
+    "mla_prefill": Family(torch.ops.unimem.mla_prefill, mla_prefill.mla_prefill_triton, _prefill_args),
     "state_gather": Family(
         torch.ops.unimem.state_gather, state.state_gather_triton,
         lambda w: dict(arena=w.pool.arena, s_v2p=w.pool.s_v2p, slot_ids=_state_ids(w), byte_offset=w.recurrent_offset(),
@@ -98,7 +107,7 @@ FAMILIES = {
         lambda w: _kda_inputs(w, 3) | dict(initial_state=w.randn(2, w.H, w.K, w.V), scale=w.K ** -0.5,
                                            use_qk_l2norm=True)),
 }
-MLA = ["mla_kv_write", "mla_kv_write_rmsnorm", "mla_gather", "mla_decode"]
+MLA = ["mla_kv_write", "mla_kv_write_rmsnorm", "mla_gather", "mla_decode", "mla_prefill"]
 SLOTS = ["state_gather", "state_scatter", "causal_conv1d_update", "kda_decode", "kda_prefill"]
 
 
@@ -145,6 +154,7 @@ TENSOR_ARGS = {
     "mla_kv_write_rmsnorm": ["arena", "v2p", "virt_loc", "kv_nope_unnormed", "k_rope", "norm_weight"],
     "mla_gather": ["arena", "v2p", "page_table", "kv_len", "out_offset"],
     "mla_decode": ["q_nope", "q_rope", "arena", "v2p", "page_table", "kv_len"],
+    "mla_prefill": ["q", "arena", "v2p", "page_table", "kv_len", "kv_len_host", "w_kv_b"],
     "state_gather": ["arena", "s_v2p", "slot_ids"], "state_scatter": ["arena", "s_v2p", "slot_ids", "value"],
     "causal_conv1d_update": ["x", "arena", "s_v2p", "slot_ids", "weight", "bias"],
     "kda_decode": _KDA_TENSORS, "kda_prefill": _KDA_TENSORS,
@@ -166,9 +176,14 @@ def dtype_cases():
 
 
 def device_cases():
-    """Every tensor argument of every family on a second device (meta) while the others are on the CPU."""
+    """Every tensor argument of every family on a second device (meta) while the others are on the CPU
+    (mla_prefill's kv_len_host is the host copy of kv_len: it must be on the CPU whatever the others)."""
     for family, names in TENSOR_ARGS.items():
         for name in names:
+            if (family, name) == ("mla_prefill", "kv_len_host"):
+                yield Case(family, f"{name}_on_meta", _set(name, lambda w, a: a["kv_len_host"].to("meta")), ValueError,
+                           r"mla_prefill: kv_len_host must be a CPU tensor \(the host copy of kv_len\), got meta")
+                continue
             yield Case(family, f"{name}_on_meta", _set(name, lambda w, a, n=name: a[n].to("meta")), ValueError,
                        rf"{_n(family)}: (?:{name} is on meta but \w+ is on cpu|\w+ is on cpu but {name} is on meta)")
 
@@ -180,6 +195,7 @@ FIXED_RANK = {
     "mla_kv_write_rmsnorm": ["virt_loc", "kv_nope_unnormed", "k_rope", "norm_weight"],
     "mla_gather": ["arena", "v2p", "page_table", "kv_len", "out_offset"],
     "mla_decode": ["q_nope", "q_rope", "page_table", "kv_len"],
+    "mla_prefill": ["q", "arena", "v2p", "page_table", "kv_len", "kv_len_host", "w_kv_b"],
     "state_gather": ["arena", "s_v2p", "slot_ids"], "state_scatter": ["s_v2p", "slot_ids"],
     "causal_conv1d_update": ["x", "weight", "bias", "slot_ids"],
     "kda_decode": ["q", "k", "v", "g", "beta", "slot_ids"], "kda_prefill": ["q", "k", "v", "g", "beta"],
@@ -225,6 +241,16 @@ TRAILING = [
          _shapes_pattern("mla_decode", "q_rope", lambda w: [2, w.H, w.DR])),
     Case("mla_decode", "kv_len_short", _shrink_last("kv_len"), GeometryError,
          _shapes_pattern("mla_decode", "kv_len", lambda w: [2])),
+    Case("mla_prefill", "w_kv_b_narrow", _shrink_last("w_kv_b"), GeometryError,
+         lambda w, a: rf"mla_prefill: w_kv_b must have shape \[\*, {w.R}\], got \[{a['w_kv_b'].shape[0]}, {w.R - 1}\]"),
+    Case("mla_prefill", "w_kv_b_rows", _set("w_kv_b", lambda w, a: w.randn(w.H * 8, w.R)), GeometryError,
+         lambda w, a: rf"mla_prefill: w_kv_b has {w.H * 8} rows, not heads {w.H} x \(qk_nope_head_dim 8 \+ v_head_dim\)"),
+    Case("mla_prefill", "kv_len_host_short", _shrink_last("kv_len_host"), GeometryError,
+         _shapes_pattern("mla_prefill", "kv_len_host", lambda w: [2])),
+    Case("mla_prefill", "q_no_nope_part", _set("q", lambda w, a: a["q"][..., :w.DR]), GeometryError,
+         lambda w, a: rf"mla_prefill: q's last dimension {w.DR} must be qk_nope_head_dim \+ qk_rope_head_dim"),
+    Case("mla_prefill", "workspace_zero", _set("workspace_tokens", lambda w, a: 0), ValueError,
+         r"mla_prefill: workspace_tokens must be an int >= 1, got 0"),
     Case("state_gather", "section_past_the_slot",
          _set("shape", lambda w, a: [w.H, w.K, w.slot_bytes // (w.H * w.K * 4)]), GeometryError,
          lambda w, a: rf"state_gather: the section \[{w.recurrent_offset()}, "
@@ -271,7 +297,8 @@ LAYOUT = [
     Case(f, f"{name}_strided", _strided_copy(name), GeometryError, rf"{_n(f)}: {name} must be contiguous, got strides \(2,\)")
     for f, names in {
         "translate_kv_loc_dense": ["v2p"], "mla_kv_write": ["arena", "v2p"], "mla_kv_write_rmsnorm": ["v2p"],
-        "mla_gather": ["arena", "v2p"], "mla_decode": ["arena", "v2p"], "state_gather": ["arena", "s_v2p"],
+        "mla_gather": ["arena", "v2p"], "mla_decode": ["arena", "v2p"], "mla_prefill": ["arena", "v2p"],
+        "state_gather": ["arena", "s_v2p"],
         "state_scatter": ["arena", "s_v2p"], "causal_conv1d_update": ["s_v2p"], "kda_decode": ["arena", "s_v2p"],
         "kda_prefill": ["s_v2p"],
     }.items() for name in names
@@ -359,6 +386,13 @@ def debug_cases():
     yield Case("mla_decode", "dead_page_inside_kv_len", dead_column, GeometryError,
                lambda w, a: rf"mla_decode: 1 pages inside kv_len are not live: row 0 page slot 1: virtual page "
                             rf"{w.dead_page}", debug=True)
+    yield Case("mla_prefill", "dead_page_inside_kv_len", dead_column, GeometryError,
+               lambda w, a: rf"mla_prefill: 1 pages inside kv_len are not live: row 0 page slot 1: virtual page "
+                            rf"{w.dead_page}", debug=True)
+    yield Case("mla_prefill", "stale_host_lengths",
+               _set("kv_len_host", lambda w, a: torch.tensor([w.lens[0], w.lens[1] - 1], dtype=torch.int32)),
+               GeometryError, lambda w, a: rf"mla_prefill: kv_len_host disagrees with kv_len: row 1: kv_len "
+                                           rf"{w.lens[1]}, kv_len_host {w.lens[1] - 1}", debug=True)
     yield Case("mla_gather", "history_past_max_len", _set("max_len", lambda w, a: w.lens[0] - 1), GeometryError,
                lambda w, a: rf"mla_gather: histories do not fit in max_len {w.lens[0] - 1}: row 0: out_offset 0 \+ "
                             rf"kv_len {w.lens[0]}", debug=True)
@@ -415,7 +449,8 @@ def test_bad_input_raises_with_the_numbers_and_changes_nothing(case, world, monk
 
 #: per-call inputs a launcher copies when they are not contiguous (tables and the arena must be: see LAYOUT)
 COPIED = [("translate_kv_loc_dense", "virt"), ("mla_kv_write", "virt_loc"), ("mla_gather", "page_table"),
-          ("mla_gather", "kv_len"), ("mla_decode", "page_table"), ("mla_decode", "kv_len"),
+          ("mla_gather", "kv_len"), ("mla_decode", "page_table"), ("mla_decode", "kv_len"), ("mla_prefill", "q"),
+          ("mla_prefill", "page_table"), ("mla_prefill", "kv_len"),
           ("state_gather", "slot_ids"), ("state_scatter", "slot_ids"), ("causal_conv1d_update", "slot_ids"),
           ("causal_conv1d_update", "bias"), ("kda_decode", "slot_ids"), ("kda_decode", "beta"),
           ("kda_prefill", "slot_ids")]

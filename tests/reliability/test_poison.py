@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_write, state, translate
+from unimem_compile.ops import conv, kda, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
 from unimem_compile.env import triton_interpret
 
 
@@ -79,6 +79,17 @@ def plant_decode(w, fn):
     out = fn(w.randn(2, w.H, w.R), w.randn(2, w.H, w.DR), w.pool.arena, w.pool.v2p, w.page_table, kv_len, 0.2,
              *_geometry(w))
     return out, torch.tensor([False, True]), False
+
+
+def plant_prefill(w, fn):
+    kv_len = w.kv_len.clone()
+    kv_len[1] += 1
+    # 2 new tokens per row; row 1's never-written token is the last query's own, and it lies in the key tile
+    # of both of row 1's queries: the first gives it probability 0, but 0 x NaN is NaN (the reference's
+    # einsum does the same), so all of row 1 and none of row 0 comes out NaN
+    out = fn(w.randn(2, w.H, 2, 8 + w.DR), w.pool.arena, w.pool.v2p, w.page_table, kv_len, kv_len.cpu(),
+             w.randn(w.H * 16, w.R), 0.2, 4, *_geometry(w))
+    return out.transpose(1, 2).reshape(4, -1), torch.tensor([False, False, True, True]), False
 
 
 def _stale_slots(w):
@@ -145,6 +156,7 @@ PLANTS = {
                              mla_write.mla_kv_write_rmsnorm_triton),
     "mla_gather": (plant_gather, torch.ops.unimem.mla_gather, mla_gather.mla_gather_triton),
     "mla_decode": (plant_decode, torch.ops.unimem.mla_decode, mla_decode.mla_decode_triton),
+    "mla_prefill": (plant_prefill, torch.ops.unimem.mla_prefill, mla_prefill.mla_prefill_triton),
     "state_gather": (plant_state_gather, torch.ops.unimem.state_gather, state.state_gather_triton),
     "state_scatter": (plant_state_scatter, torch.ops.unimem.state_scatter, state.state_scatter_triton),
     "causal_conv1d_update": (plant_conv, torch.ops.unimem.causal_conv1d_update, conv.causal_conv1d_update_triton),

@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from .. import env
 from ..errors import UnsupportedModel
 from ..pool import PageTables, UnifiedPool
 from ..pool.staging import StagedUpload
@@ -105,7 +106,12 @@ class UnimemHandle:
         generate_lock: held by every generate() call and by whatever returns a cache's rows (release,
             reset, creating a cache, reclaiming dropped ones): calls from several threads run one after the
             other (they share the step buffers of a batch size and the adapter's patched module globals).
+        tensor_parallel: this rank's :class:`~unimem_compile.tp.group.TensorParallel` (``compile(...,
+            tensor_parallel=True)``), or None: every generate() call is then agreed with the other ranks
+            first, and under ``UNIMEM_DEBUG=1`` every step's page tables.
     """
+
+    tensor_parallel = None
 
     def __init__(self, model, adapter: ModelAdapter, pool: UnifiedPool, max_batch_size: int, max_seq_len: int,
                  passes, deferred_stop_check: bool | None = None):
@@ -313,7 +319,11 @@ def _prepare_inputs_for_generation(model, handle: UnimemHandle):
             handle.check_own(cache)
             if input_ids.device != pool.device:
                 raise UnsupportedModel(f"input_ids are on {input_ids.device} but the pool is on {pool.device}")
-            cache.prepare_step(input_ids, kwargs.get("attention_mask"))
+            prepare = functools.partial(cache.prepare_step, input_ids, kwargs.get("attention_mask"))
+            if handle.tensor_parallel is not None and env.debug():
+                handle.tensor_parallel.agree_step(prepare, pool, cache)
+            else:
+                prepare()
         return original(input_ids, *args, **kwargs)
 
     return prepare_inputs_for_generation
@@ -325,7 +335,9 @@ def _generate(model, handle: UnimemHandle):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         with handle.generate_lock:
-            return _run(original, check_generate_call(handle, model, args, kwargs))
+            check = functools.partial(check_generate_call, handle, model, args, kwargs)
+            tp = handle.tensor_parallel
+            return _run(original, check() if tp is None else tp.agree_generate(check, args, kwargs, handle.pool.device))
 
     return generate
 
