@@ -1,8 +1,8 @@
 """fp8 MLA KV on CUDA at the real Kimi-Linear geometry (7 layers, 512 + 64): the compiled write and gather
 kernels against the plain-torch references byte for byte (both e4m3 formats; on sm_90 Triton has no
 e4m3fnuz type, the kernels encode its bits with integer ops), mla_decode's fp8 path (the plain-torch
-fallback until the split kernels read fp8 rows), and the 4-layer real-geometry model's teacher-forced
-logits with fp8 KV:
+fallback until the split kernels read fp8 rows), mla_prefill on fp8 rows (its plain-torch piece gather, then
+its attention kernel), and the 4-layer real-geometry model's teacher-forced logits with fp8 KV:
 
 * dense-MLP variant in fp32 (``build_model(dense_mlp=True)``), held to the linear-response bounds of
   ``unimem_compile.demo.fp8_tolerance`` derived from a bf16-KV run of the same weights (16x the bf16-KV
@@ -111,6 +111,34 @@ def test_gather_kernel_equals_the_reference_and_decode_attends_over_it(fmt):
     out = torch.ops.unimem.mla_decode(*dargs)
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in dargs]
     torch.testing.assert_close(out.cpu(), md.mla_decode_reference(*cpu), rtol=2e-2, atol=2e-2)  # bf16 output
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_on_fp8_rows_equals_prefill_on_their_dequantised_values(fmt):
+    mp = importlib.import_module("unimem_compile.ops.mla_prefill")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens, heads, dn, dv, t = [700, 64, 1500], 32, 128, 128, 64
+    per_row = -(-max(lens) // PS)
+    pools, tables = {}, {}
+    for dtype in (fmt, torch.bfloat16):  # the same rows on each pool's own pages
+        pools[dtype], pages = _pool(dtype, 3 * per_row)
+        tables[dtype] = torch.tensor(pages, dtype=torch.int32, device="cuda").view(3, per_row)
+    for b, n in enumerate(lens):
+        rows = torch.randn(n, R + DR, device="cuda", generator=g)
+        locs = {dtype: (tables[dtype][b].long()[torch.arange(n, device="cuda") // PS] * PS
+                        + torch.arange(n, device="cuda") % PS) for dtype in pools}
+        p8 = pools[fmt]
+        torch.ops.unimem.mla_kv_write(p8.arena, p8.v2p, locs[fmt], rows[:, :R], rows[:, R:], 1, L, PS, R, DR, fmt)
+        got = torch.ops.unimem.mla_gather(p8.arena, p8.v2p, tables[fmt][b:b + 1],
+                                          torch.tensor([n], dtype=torch.int32, device="cuda"),
+                                          torch.zeros(1, dtype=torch.int32, device="cuda"), n, 1, L, PS, R, DR, fmt)[0]
+        pools[torch.bfloat16].write_kv(1, locs[torch.bfloat16], got)
+    kv_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, heads, t, dn + DR, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(heads * (dn + dv), R, device="cuda", generator=g) / 23).to(torch.bfloat16)
+    outs = [torch.ops.unimem.mla_prefill(q, p.arena, p.v2p, tables[dtype], kv_len, kv_len.cpu(), w, 0.07, 1024, 1, L,
+                                         PS, R, DR, dtype) for dtype, p in pools.items()]
+    assert torch.equal(outs[0], outs[1]) and not bool(outs[0].isnan().any())  # 3 workspace pieces
 
 
 def _teacher_forced(name, dtype, dense, kv_dtypes, new=64, prompt=24):
