@@ -1,44 +1,58 @@
 """End-to-end generation speed, side by side in one process: stock transformers vs unimem-compile.
 
-Systems, each on a fresh model with the same seeded random weights (bf16 on CUDA):
+Systems, each on a model of its own with the same seeded random weights (bf16 on CUDA):
 
 * ``eager``  (a): stock ``generate()``, eager, its default cache (DynamicCache);
 * ``static`` (b): stock ``generate(cache_implementation="static")``; on CUDA transformers then compiles the
   decode step itself (``torch.compile(model.__call__, mode="reduce-overhead")``: Inductor + CUDA graphs; the
   prefill stays eager). On the CPU it is made to compile with ``CompileConfig(backend="eager")``;
-* ``unimem`` (c): ``unimem_compile.compile(model, cudagraphs=True, passes=True)`` with the pool sized for the
-  batch (``memory_budget=None``: every row's ``prompt + new`` tokens and its state), then ``generate()``;
-* ``unimem_fp8`` (d), with ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``): (c) with ``kv_dtype=`` that fp8
+* ``unimem`` (c): ``unimem_compile.compile(model, passes=True)`` (``cudagraphs`` at its default: on for CUDA,
+  so the decode runner replays one captured graph per step) with the pool sized for the batch
+  (``memory_budget=None``: every row's ``prompt + new`` tokens and its state), then ``generate()``;
+* ``handloop`` (d): no generate(): the loop a user writes in thirty lines (gpt-fast style; PERF.md's
+  strongest decode anchor): stock transformers with its ``StaticCache``, the prefill eager, then
+  forward(one token) + argmax compiled with Inductor and captured by hand in one ``torch.cuda.CUDAGraph``,
+  replayed once per step (on the CPU the compiled step is called, uncaptured);
+* ``unimem_fp8`` (e), with ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``): (c) with ``kv_dtype=`` that fp8
   format (scaled fp8 rows, 656 instead of 1152 bytes per token and MLA layer; the pool is sized for them).
-  ``--kv-dtype`` runs (c) and (d) side by side at batch 32, prompt 4096 unless ``--systems`` / ``--configs``
+  ``--kv-dtype`` runs (c) and (e) side by side at batch 32, prompt 4096 unless ``--systems`` / ``--configs``
   say otherwise; its bundle is the run of record ``generate_fp8_<date>.json`` (docs/design.md section 8:
-  ``generate_<date>.json`` holds bf16 runs only), with the ratios (d)/(c) of decode tokens/s, prefill time
+  ``generate_<date>.json`` holds bf16 runs only), with the ratios (e)/(c) of decode tokens/s, prefill time
   and peak memory.
 
 Models: ``kimi-linear-48b-4l`` (the real Kimi-Linear-48B per-layer geometry, 3 KDA + 1 MLA, 8-expert MoE)
 at batch 1, 8, 32 and prompt 512, 4096, plus ``kimi-linear-48b-8l`` (KDA, KDA, KDA, MLA x 2) at batch 32,
 prompt 4096. Random prompt ids, no padding; 64 new tokens, no early stop (``min_new_tokens``), greedy.
 
-Measured per system after one untimed warm-up generate (which compiles): every generate step is
-timestamped by a logits processor (CUDA events: nothing extra syncs), so prefill = start to the first
-step's logits and decode = first to last step's logits (``new - 1`` steps); the best of ``--repeats`` runs.
-Decode tokens/s = batch x (new - 1) / decode time (PERF.md). Peak memory = ``torch.cuda.max_memory_allocated``
-over the timed runs (reset after the warm-up; models, caches and compiled graphs are freed between
-systems). Achieved bandwidth = ``demo.decode_step_bytes`` (every weight once, the latent KV of the mean
-context, each state read and written) / the mean decode step time, beside the device copy bandwidth
-measured in the same run. Ratios: (c)/(a) and (c)/(b) of decode tokens/s, prefill time and peak memory.
+Measured per configuration: every system is built and warmed up (one untimed generate, which compiles and
+captures), then ``--repeats`` rounds each time every system once, the systems alternating (the order
+rotates by one each round), so slow drifts of the machine hit every system alike. Clocks: (a) and (b) a
+logits processor that records a CUDA event at every step (nothing extra syncs): prefill = start to the
+first step's logits, decode = first to last step's logits (``new - 1`` steps); (c) the decode runner's own
+clock (``model.unimem.timed_decode()``: events at the end of the prefill and after every block of replayed
+steps; a logits processor would send the call to transformers' loop), (e) likewise; (d) events after its
+first token and after its last replay. Per system the median over the rounds; each ratio (of decode
+tokens/s, prefill time, peak memory) is the median of the per-round ratios. Decode tokens/s = batch x
+(new - 1) / decode time (PERF.md). Peak memory = the bytes the system holds once warm (weights, pool or cache, graphs' live
+tensors: ``memory_allocated`` before and after its build) + the most its timed runs add
+(``max_memory_allocated`` over a run minus the allocated bytes at its start). Achieved bandwidth =
+``demo.decode_step_bytes`` (every weight once, the latent KV of the mean context, each state read and
+written) / the median decode step time, beside the device copy bandwidth measured in the same run.
+``--profile`` adds, for (c) (and (e)) on CUDA, one generate under ``torch.profiler``: the GPU kernel time of a decode
+step (the kernels its graph replays launch) beside its wall time (``profile``: ``wall_ms_per_step``,
+``kernel_ms_per_step``, ``busy_ms_per_step`` (kernels' union), ``wall_over_kernel``).
 
-One JSON per configuration in ``--out``, rewritten after every system, so a run that hits a time limit
-resumes where it stopped (systems already recorded are skipped; delete a file to redo it); ``--bundle``
-also writes them all into one file, and ``--resume-from`` seeds ``--out`` from such a file (a fresh
-machine). ``--deadline-s`` stops cleanly before a system that its running estimate says would not
-finish in time. Configurations run most important first; ``--configs`` filters them by glob. A compact
-table of everything in ``--out`` ends the run.
+One JSON per configuration in ``--out``, rewritten after the configuration, so a run that hits a time limit
+resumes where it stopped (configurations recorded already are skipped; delete a file to redo it);
+``--bundle`` also writes them all into one file, and ``--resume-from`` seeds ``--out`` from such a file (a
+fresh machine). ``--deadline-s`` stops cleanly before a configuration that its running estimate says
+would not finish in time. Configurations run most important first; ``--configs`` filters them by glob. A
+compact table of everything in ``--out`` ends the run.
 
 GPU:   source benchmarks/device_env.sh && python3 -P benchmarks/bench_generate.py --out /tmp/gen --deadline-s 470 \
-           --bundle "$OUT/generate.json" [--resume-from benchmarks/results/generate_<date>.json]
+           --bundle "$OUT/generate.json" [--resume-from benchmarks/results/generate_<date>.json] [--profile]
 fp8:   python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 --bundle "$OUT/generate_fp8.json"
-CPU:   python benchmarks/bench_generate.py --device cpu --smoke --out /tmp/gen      (tiny model, ~30 s)
+CPU:   python benchmarks/bench_generate.py --device cpu --smoke --out /tmp/gen      (tiny model, ~1 min)
 """
 
 from __future__ import annotations
@@ -52,19 +66,21 @@ import inspect
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 from unimem_compile.demo import StepClock
 
-SYSTEMS = ("eager", "static", "unimem")
-#: (c) with fp8 KV (``--kv-dtype``); not one of SYSTEMS: bf16 bundles keep the three of docs/design.md section 8
+SYSTEMS = ("eager", "static", "unimem", "handloop")
+#: (c) with fp8 KV (``--kv-dtype``); not one of SYSTEMS: bf16 bundles keep the systems of docs/design.md section 8
 FP8_SYSTEM = "unimem_fp8"
-LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem",
-          FP8_SYSTEM: "(d) unimem fp8 KV"}
+LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem", "handloop": "(d) hand loop",
+          FP8_SYSTEM: "(e) unimem fp8 KV"}
 #: the configuration ``--kv-dtype`` runs by default (the issue's: batch 32, prompt 4096)
 FP8_CONFIGS = ["kimi-linear-48b-4l_b32_p4096"]
 
@@ -85,19 +101,22 @@ CONFIGS = [
     Config("kimi-linear-48b-4l", 32, 512),
     Config("kimi-linear-48b-4l", 32, 4096),
     Config("kimi-linear-48b-8l", 32, 4096),
+    Config("kimi-linear-48b-4l", 1, 512),
     Config("kimi-linear-48b-4l", 8, 512),
     Config("kimi-linear-48b-4l", 8, 4096),
-    Config("kimi-linear-48b-4l", 1, 512),
     Config("kimi-linear-48b-4l", 1, 4096),
 ]
 SMOKE_CONFIGS = [Config("kimi-linear-tiny", 2, 24), Config("kimi-linear-tiny", 1, 16)]
 
-#: seconds a system is assumed to take before one of its kind has run (cold compile caches, first-call
-#: autotuning); afterwards the longest measured one of its kind, x1.25
-# seconds per system before one has run: measured on an H200 on 2026-11-29 at kimi-linear-48b-4l, batch 32,
-# prompt 512 (eager 11 s, static 23 s; unimem's compile 40 s in the demo), with headroom
-PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 80.0, FP8_SYSTEM: 80.0},
-           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 20.0, FP8_SYSTEM: 20.0}}
+#: seconds a system's build, warm-up and one timed run are assumed to take before one of its kind has run
+#: (cold compile caches, first-call autotuning); afterwards the longest measured one of its kind, x1.25.
+#: Measured on an H200 on 2026-11-29 at kimi-linear-48b-4l, batch 32, prompt 512 (eager 11 s, static 23 s;
+#: unimem's compile 40 s in the demo), with headroom; the runner's per-bucket step compile and the hand loop's
+#: compile are estimates (not measured yet)
+PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 90.0, "handloop": 45.0, FP8_SYSTEM: 90.0},
+           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 30.0, "handloop": 10.0, FP8_SYSTEM: 30.0}}
+#: seconds per timed generate beyond the first, per system (the rounds after the warm-up)
+ROUND_S = {"cuda": 2.0, "cpu": 2.0}
 #: flash-linear-attention autotunes its KDA kernels on their first call (about 90 s on an H200)
 FLA_AUTOTUNE_S = 90.0
 
@@ -170,14 +189,20 @@ def copy_bandwidth_gbs(device: torch.device) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def timed_generate(model, ids, kwargs: dict, device: torch.device) -> tuple[torch.Tensor, float, float, int]:
-    """One generate() with a StepClock: ``(output ids, prefill s, decode s, decode steps)``."""
-    clock = StepClock(device)
-    clock.mark()
-    with torch.no_grad():
-        out = model.generate(ids, logits_processor=[clock], **kwargs)
-    steps = len(clock.marks) - 2  # the start mark and the prefill step's logits
-    return out, clock.elapsed(0, 1), clock.elapsed(1, len(clock.marks) - 1), steps
+def _event(device: torch.device):
+    """A mark now: a CUDA event recorded on the current stream, or ``perf_counter`` on the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(a, b) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3
 
 
 def _free(device: torch.device) -> None:
@@ -194,86 +219,263 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------------------------- one system
-def run_system(system: str, cfg: Config, args, device: torch.device, dtype: torch.dtype,
-               reference=None) -> tuple[dict, torch.Tensor]:
-    """Build the model, warm ``system`` up, time ``args.repeats`` generates; returns ``(its JSON record, the
-    last output ids)``.
+class HandLoop:
+    """The hand-rolled decode loop over stock transformers (system (d)): thirty lines a user writes.
 
-    ``reference``: output ids of the eager system for the same inputs (the record then gives the fraction
-    of new tokens equal to it; bf16 greedy decoding may diverge after a near-tie, so this is a sanity
-    figure, not a parity test).
+    A ``StaticCache`` for ``prompt + new`` tokens; the prefill an eager forward; then one compiled function
+    (forward of one token per row with the static cache, argmax, store the token) captured in one
+    ``torch.cuda.CUDAGraph`` after two warm-up calls, replayed ``new - 1`` times. The static cache's layers
+    advance their own lengths on the device, so a replay writes the next position; :meth:`generate` resets
+    the cache before its prefill. Greedy, no padding, no EOS (what the benchmark runs).
     """
-    import unimem_compile
-    from unimem_compile.demo import decode_step_bytes
-    from unimem_compile.hf.adapters import adapter_for
-    from unimem_compile.hf.models import build_model
 
-    _free(device)
-    cuda = device.type == "cuda"
-    model = build_model(cfg.model, dtype=dtype, device=device, seed=args.seed)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    adapter = adapter_for(model)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.randint(3, model.config.vocab_size, (cfg.batch, cfg.prompt), generator=gen).to(device)
-    new = args.new_tokens
-    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new, "min_new_tokens": new,
-              "do_sample": False}
-    record: dict = {"system": system}
-    if system == "static":
-        kwargs["cache_implementation"] = "static"
-        if not cuda:  # transformers compiles only on accelerators unless told to
-            from transformers import CompileConfig
+    def __init__(self, model, batch: int, prompt: int, new: int, device: torch.device, backend: str):
+        from transformers import StaticCache
 
-            config = CompileConfig(backend="eager", mode=None)
-            config._compile_all_devices = True
-            kwargs["compile_config"] = config
-        record["compile"] = "transformers auto-compile of the decode step (" + (
-            "inductor, mode=reduce-overhead: CUDA graphs)" if cuda else "backend=eager on the CPU)")
-    elif system in ("unimem", FP8_SYSTEM):
-        deferred = {"auto": None, "on": True, "off": False}[args.deferred_stop] if cuda else None
-        kv_dtype = args.kv_dtype if system == FP8_SYSTEM else None
-        unimem_compile.compile(model, max_batch_size=cfg.batch, max_seq_len=cfg.prompt + new, memory_budget=None,
-                               backend=args.backend, cudagraphs=cuda, passes=True, deferred_stop_check=deferred,
-                               kv_dtype=kv_dtype)
-        adapter = model.unimem.adapter  # its KV spec has the rows' dtype: the step bytes count fp8 rows
-        record["compile"] = (f"unimem_compile.compile(backend={args.backend!r}, cudagraphs={cuda}, passes=True, "
-                             f"deferred_stop_check={deferred}, kv_dtype={kv_dtype!r})")
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, **kwargs)  # warm-up: compiles, records CUDA graphs, autotunes
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    record["warmup_s"] = time.perf_counter() - t0
-    runs = [timed_generate(model, ids, kwargs, device) for _ in range(args.repeats)]
-    out = runs[-1][0]
-    prefill = min(r[1] for r in runs)
-    decode = min(r[2] for r in runs)
-    steps = runs[-1][3]
-    step_bytes = decode_step_bytes(model, adapter, cfg.batch, cfg.prompt + new / 2)
-    record.update({
-        "prefill_ms": prefill * 1e3,
-        "decode_ms": decode * 1e3,
-        "decode_steps": steps,
-        "decode_tokens_per_s": cfg.batch * steps / decode if decode > 0 else None,
-        "ms_per_step": decode * 1e3 / steps if steps else None,
-        "runs": [{"prefill_ms": r[1] * 1e3, "decode_ms": r[2] * 1e3} for r in runs],
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "weight_bytes": weight_bytes,
-        "step_bytes": step_bytes,
-        "achieved_bandwidth_gbs": step_bytes / (decode / steps) / 1e9 if steps and decode > 0 else None,
-        "new_tokens_generated": int(out.shape[1] - cfg.prompt),
-    })
-    if reference is not None:
-        record["new_tokens_equal_to_eager"] = float((out[:, cfg.prompt:] == reference[:, cfg.prompt:]).float().mean())
-    if system in ("unimem", FP8_SYSTEM):
-        record["pool"] = model.unimem.stats()
-        record["rewrites"] = model.unimem.rewrites
-        record["kv_dtype"] = str(adapter.kv_spec.dtype).replace("torch.", "") if adapter.kv_spec else None
-    del model, runs
-    _free(device)
-    return record, out
+        self.model, self.new, self.device = model, new, device
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt + new)
+        params = inspect.signature(model.forward).parameters
+        self.key = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 / 5.17
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, new, dtype=torch.long, device=device)
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+
+        def step():
+            logits = model(input_ids=self.token, position_ids=self.position, use_cache=True, logits_to_keep=1,
+                           **{self.key: self.cache}).logits
+            token = logits[:, -1].argmax(-1)
+            self.token.copy_(token[:, None])
+            self.position.add_(1)
+            self.out.index_copy_(1, self.index, token[:, None])
+            self.index.add_(1)
+
+        # graph breaks (transformers binds flash-linear-attention's kernels when it is installed) cost nothing
+        # here: the capture records every kernel of the step whatever Dynamo made of it
+        self.step = torch.compile(step, backend=backend)
+        self.graph = None
+
+    def _prefill(self, ids: torch.Tensor) -> None:
+        self.cache.reset()
+        logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.key: self.cache}).logits
+        token = logits[:, -1].argmax(-1)
+        self.token.copy_(token[:, None])
+        self.position.fill_(ids.shape[1])
+        self.out[:, 0] = token
+        self.index.fill_(1)
+
+    def warm_up(self, ids: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._prefill(ids)
+            if self.device.type != "cuda":
+                self.step()
+                return
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step()
+            torch.cuda.synchronize()
+
+    def generate(self, ids: torch.Tensor) -> tuple[torch.Tensor, float, float, int]:
+        """``(output ids, prefill s, decode s, decode steps)``."""
+        start = _event(self.device)
+        with torch.no_grad():
+            self._prefill(ids)
+            first = _event(self.device)
+            for _ in range(self.new - 1):
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self.step()
+            last = _event(self.device)
+        return torch.cat([ids, self.out], 1), _seconds(start, first), _seconds(first, last), self.new - 1
+
+
+class Session:
+    """One system on one configuration: its model built and warmed up, then timed runs on demand.
+
+    ``resident_bytes``: what the system holds once warm (``memory_allocated`` after its build and warm-up
+    minus before it; 0 on the CPU). Each :meth:`timed` run appends ``(prefill s, decode s, steps, transient
+    peak bytes)`` to ``runs``.
+    """
+
+    def __init__(self, system: str, cfg: Config, args, device: torch.device, dtype: torch.dtype):
+        import unimem_compile
+        from unimem_compile.hf.adapters import adapter_for
+        from unimem_compile.hf.models import build_model
+
+        self.system, self.cfg, self.args, self.device = system, cfg, args, device
+        cuda = device.type == "cuda"
+        allocated = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+        self.model = model = build_model(cfg.model, dtype=dtype, device=device, seed=args.seed)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.adapter = adapter_for(model)
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        self.ids = torch.randint(3, model.config.vocab_size, (cfg.batch, cfg.prompt), generator=gen).to(device)
+        new = args.new_tokens
+        self.kwargs = {"attention_mask": torch.ones_like(self.ids), "max_new_tokens": new, "min_new_tokens": new,
+                       "do_sample": False}
+        self.record: dict = {"system": system}
+        self.hand = None
+        if system == "static":
+            self.kwargs["cache_implementation"] = "static"
+            if not cuda:  # transformers compiles only on accelerators unless told to
+                from transformers import CompileConfig
+
+                config = CompileConfig(backend="eager", mode=None)
+                config._compile_all_devices = True
+                self.kwargs["compile_config"] = config
+            self.record["compile"] = "transformers auto-compile of the decode step (" + (
+                "inductor, mode=reduce-overhead: CUDA graphs)" if cuda else "backend=eager on the CPU)")
+        elif system in ("unimem", FP8_SYSTEM):
+            deferred = {"auto": None, "on": True, "off": False}[args.deferred_stop] if cuda else None
+            fp8 = {"kv_dtype": args.kv_dtype} if system == FP8_SYSTEM else {}
+            unimem_compile.compile(model, max_batch_size=cfg.batch, max_seq_len=cfg.prompt + new, memory_budget=None,
+                                   backend=args.backend, passes=True, deferred_stop_check=deferred, **fp8)
+            self.record["compile"] = (f"unimem_compile.compile(backend={args.backend!r}, cudagraphs=None (on for "
+                                      f"CUDA), passes=True, deferred_stop_check={deferred}"
+                                      + "".join(f", {k}={v!r}" for k, v in fp8.items()) + ")")
+            if fp8:
+                self.adapter = model.unimem.adapter  # its KV spec has the rows' dtype: the step bytes count fp8 rows
+        elif system == "handloop":
+            self.hand = HandLoop(model, cfg.batch, cfg.prompt, new, device,
+                                 "inductor" if cuda else args.backend)
+            self.record["compile"] = ("torch.compile(forward + argmax, backend=" + ("'inductor'" if cuda else
+                                      repr(args.backend)) + ") over transformers' StaticCache" +
+                                      (", captured in one torch.cuda.CUDAGraph" if cuda else ", uncaptured"))
+        if self.hand is not None:
+            self.hand.warm_up(self.ids)
+        else:
+            with torch.no_grad():
+                model.generate(self.ids, **self.kwargs)  # warm-up: compiles, records CUDA graphs, autotunes
+        if cuda:
+            torch.cuda.synchronize(device)
+        self.record["warmup_s"] = time.perf_counter() - t0
+        self.resident_bytes = (torch.cuda.memory_allocated(device) - allocated) if cuda else 0
+        self.runs: list[tuple[float, float, int, int]] = []
+        self.out = None
+
+    def timed(self) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.hand is not None:
+            out, prefill, decode, steps = self.hand.generate(self.ids)
+        elif self.system in ("unimem", FP8_SYSTEM):
+            out, prefill, decode, steps = self._timed_unimem()
+        else:
+            clock = StepClock(self.device)
+            clock.mark()
+            with torch.no_grad():
+                out = self.model.generate(self.ids, logits_processor=[clock], **self.kwargs)
+            steps = len(clock.marks) - 2  # the start mark and the prefill step's logits
+            prefill, decode = clock.elapsed(0, 1), clock.elapsed(1, len(clock.marks) - 1)
+        transient = (torch.cuda.max_memory_allocated(self.device) - base) if cuda else 0
+        self.runs.append((prefill, decode, steps, transient))
+        self.out = out
+
+    def _timed_unimem(self):
+        start = _event(self.device)
+        with self.model.unimem.timed_decode() as timing, torch.no_grad():
+            out = self.model.generate(self.ids, **self.kwargs)
+        return out, timing.seconds_since(start), timing.decode_seconds(), timing.decode_steps
+
+    def finish(self, reference, ceiling) -> dict:
+        """The system's JSON record (medians over its runs); ``reference``: the eager system's output ids for
+        the same inputs (the record then gives the fraction of new tokens equal to it; bf16 greedy decoding
+        may diverge after a near-tie, so this is a sanity figure, not a parity test)."""
+        from unimem_compile.demo import decode_step_bytes
+
+        cfg, new = self.cfg, self.args.new_tokens
+        prefill = statistics.median(r[0] for r in self.runs)
+        decode = statistics.median(r[1] for r in self.runs)
+        steps = self.runs[-1][2]
+        step_bytes = decode_step_bytes(self.model, self.adapter, cfg.batch, cfg.prompt + new / 2)
+        record = dict(self.record)
+        record.update({
+            "prefill_ms": prefill * 1e3,
+            "decode_ms": decode * 1e3,
+            "decode_steps": steps,
+            "decode_tokens_per_s": cfg.batch * steps / decode if decode > 0 else None,
+            "ms_per_step": decode * 1e3 / steps if steps else None,
+            "runs": [{"prefill_ms": r[0] * 1e3, "decode_ms": r[1] * 1e3} for r in self.runs],
+            "peak_memory_bytes": (self.resident_bytes + max(r[3] for r in self.runs))
+            if self.device.type == "cuda" else None,
+            "weight_bytes": self.weight_bytes,
+            "step_bytes": step_bytes,
+            "achieved_bandwidth_gbs": step_bytes / (decode / steps) / 1e9 if steps and decode > 0 else None,
+            "new_tokens_generated": int(self.out.shape[1] - cfg.prompt),
+        })
+        if ceiling and record["achieved_bandwidth_gbs"]:
+            record["fraction_of_copy_bandwidth"] = record["achieved_bandwidth_gbs"] / ceiling
+        if reference is not None:
+            record["new_tokens_equal_to_eager"] = float(
+                (self.out[:, cfg.prompt:] == reference[:, cfg.prompt:]).float().mean())
+        if self.system in ("unimem", FP8_SYSTEM):
+            record["pool"] = self.model.unimem.stats()
+            record["rewrites"] = self.model.unimem.rewrites
+            record["runner"] = self.model.unimem.runner_stats()
+            if self.args.profile:
+                record["profile"] = self.profile(record["ms_per_step"])
+        if self.system == FP8_SYSTEM:
+            spec = self.adapter.kv_spec
+            record["kv_dtype"] = str(spec.dtype).replace("torch.", "") if spec else None
+        return record
+
+    def profile(self, wall_ms_per_step: float) -> dict:
+        """One generate under torch.profiler: the GPU kernel time of a decode step (the kernels of the
+        runner's graph replays) beside its wall time (the median of the timed runs)."""
+        if self.device.type != "cuda":
+            return {"skipped": "needs CUDA (the kernels of the captured steps)"}
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
+            self.model.generate(self.ids, **self.kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f).get("traceEvents", [])
+        result = graph_kernel_time(events)
+        if result["replays"]:
+            result["wall_ms_per_step"] = wall_ms_per_step
+            result["wall_over_kernel"] = wall_ms_per_step / result["kernel_ms_per_step"]
+        return result
+
+    def close(self) -> None:
+        self.model = self.hand = self.out = None
+
+
+def graph_kernel_time(events: list[dict]) -> dict:
+    """Per CUDA-graph replay in a chrome trace (torch.profiler's ``export_chrome_trace`` events): the
+    kernels that replays launched (matched by correlation id to ``cudaGraphLaunch`` runtime calls), their
+    summed duration, their union on the GPU timeline (overlapping kernels counted once) and their count,
+    each divided by the number of replays. Returns ``{"replays", "kernel_ms_per_step", "busy_ms_per_step",
+    "kernels_per_step"}`` (None values without replays)."""
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and str(e.get("name", "")).startswith("cudaGraphLaunch")
+                and "correlation" in e.get("args", {})}
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                     if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launches)
+    if not launches:
+        return {"replays": 0, "kernel_ms_per_step": None, "busy_ms_per_step": None, "kernels_per_step": None}
+    total = sum(b - a for a, b in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # union of intervals, in microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    n = len(launches)
+    return {"replays": n, "kernel_ms_per_step": total / n / 1e3, "busy_ms_per_step": busy / n / 1e3,
+            "kernels_per_step": len(kernels) / n}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -292,16 +494,36 @@ def _save(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+_RATIO_KEYS = ("decode_tokens_per_s", "prefill_ms", "peak_memory_bytes")
+
+
 def ratios(systems: dict) -> dict:
-    """(c)/(a), (c)/(b) and (d)/(c) of decode tokens/s, prefill time and peak memory, where both are recorded."""
-    out = {}
-    for mine, others in (("unimem", ("eager", "static")), (FP8_SYSTEM, ("unimem",))):
+    """(c)/(a), (c)/(b), (c)/(d) and (e)/(c) of decode tokens/s, prefill time and peak memory, where both
+    are recorded: the median of the per-round ratios when both systems ran in the same rounds, else the
+    ratio of their medians. ``_rounds`` lists which ratios are per-round medians."""
+    out, rounds = {}, []
+    for mine, others in (("unimem", ("eager", "static", "handloop")), (FP8_SYSTEM, ("unimem",))):
         c = systems.get(mine, {})
         for other in others:
             o = systems.get(other, {})
-            for key in ("decode_tokens_per_s", "prefill_ms", "peak_memory_bytes"):
-                if c.get(key) and o.get(key):
-                    out[f"{key}_{mine}/{other}"] = c[key] / o[key]
+            for key in _RATIO_KEYS:
+                if not (c.get(key) and o.get(key)):
+                    continue
+                name = f"{key}_{mine}/{other}"
+                pairs = list(zip(c.get("runs", []), o.get("runs", [])))
+                if key != "peak_memory_bytes" and c.get("session") is not None \
+                        and c.get("session") == o.get("session") and pairs:
+                    per_round = []
+                    for rc, ro in pairs:
+                        if key == "prefill_ms":
+                            per_round.append(rc["prefill_ms"] / ro["prefill_ms"])
+                        else:  # tokens/s: the inverse ratio of decode times (same steps and batch)
+                            per_round.append(ro["decode_ms"] / rc["decode_ms"])
+                    out[name] = statistics.median(per_round)
+                    rounds.append(name)
+                else:
+                    out[name] = c[key] / o[key]
+    out["_rounds"] = rounds
     return out
 
 
@@ -341,43 +563,63 @@ def run(args) -> int:
     cuda_fla = device.type == "cuda" and bool(env["fla"]["bound_by_transformers"])
     stopped = None
     for cfg, missing in todo:
+        elapsed = time.perf_counter() - start
+        estimate = sum(1.25 * observed[s] if s in observed else PRIOR_S[device.type][s] for s in missing)
+        estimate += (args.repeats - 1) * len(missing) * ROUND_S[device.type]
+        if cuda_fla and not observed and any(s in missing for s in ("eager", "static", "handloop")):
+            estimate += FLA_AUTOTUNE_S
+        if args.deadline_s is not None and elapsed + estimate > args.deadline_s:
+            stopped = (f"deadline: {elapsed:.0f} s spent of {args.deadline_s:.0f} s; {cfg.name} "
+                       f"({', '.join(missing)}) is estimated at {estimate:.0f} s: stopping here")
+            break
         path = os.path.join(args.out, cfg.name + ".json")
         rec = _load(path) or {}
         rec.update({"config": dataclasses.asdict(cfg), **conditions, "repeats": args.repeats, "environment": env,
                     "copy_bandwidth_gbs": ceiling, "command": "python " + " ".join(sys.argv)})
         rec.setdefault("systems", {})
-        reference = None
+        session_id = f"{time.time():.0f}-{os.getpid()}"
+        sessions: dict[str, Session] = {}
         for system in missing:
-            elapsed = time.perf_counter() - start
-            estimate = 1.25 * observed[system] if system in observed else PRIOR_S[device.type][system]
-            if system == "eager" and system not in observed and cuda_fla:
-                estimate += FLA_AUTOTUNE_S
-            if args.deadline_s is not None and elapsed + estimate > args.deadline_s:
-                stopped = (f"deadline: {elapsed:.0f} s spent of {args.deadline_s:.0f} s; {LABELS[system]} of "
-                           f"{cfg.name} is estimated at {estimate:.0f} s: stopping here")
-                break
-            log(f"{cfg.name}: {LABELS[system]} ...")
+            log(f"{cfg.name}: {LABELS[system]}: build and warm up ...")
             t0 = time.perf_counter()
             try:
-                result, out = run_system(system, cfg, args, device, dtype, reference)
-                if system == "eager":
-                    reference = out
+                sessions[system] = Session(system, cfg, args, device, dtype)
             except Exception as e:  # noqa: BLE001 - record the failure, free memory, keep going
-                result = {"system": system, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                rec["systems"][system] = {"system": system, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
                 _free(device)
-            took = time.perf_counter() - t0
-            result["wall_s"] = took
-            observed[system] = max(observed.get(system, 0.0), took)
+            observed[system] = max(observed.get(system, 0.0), time.perf_counter() - t0)
+        live = list(sessions)
+        for r in range(args.repeats):
+            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            for system in order:
+                if system not in sessions:
+                    continue
+                try:
+                    sessions[system].timed()
+                except Exception as e:  # noqa: BLE001 - this system is out of the remaining rounds
+                    rec["systems"][system] = {"system": system, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                    sessions.pop(system).close()
+        reference = sessions["eager"].out if "eager" in sessions else None
+        for system in live:
+            if system not in sessions:
+                continue
+            try:
+                result = sessions[system].finish(reference if system != "eager" else None, ceiling)
+                result["session"] = session_id
+            except Exception as e:  # noqa: BLE001
+                result = {"system": system, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
             rec["systems"][system] = result
-            rec["ratios"] = ratios(rec["systems"])
-            rec["complete"] = all(s in rec["systems"] for s in expected)
-            _save(path, rec)
-            log(f"{cfg.name}: {LABELS[system]} done in {took:.1f} s"
-                + (f" ERROR {result['error'][:200]}" if "error" in result else
-                   f": prefill {_num(result.get('prefill_ms'), '.1f', 0)} ms, decode "
-                   f"{_num(result.get('decode_tokens_per_s'), '.1f', 0)} tok/s"))
-        if stopped:
-            break
+            log(f"{cfg.name}: {LABELS[system]}" + (f" ERROR {result['error'][:200]}" if "error" in result else
+                f": prefill {_num(result.get('prefill_ms'), '.1f', 0)} ms, decode "
+                f"{_num(result.get('decode_tokens_per_s'), '.1f', 0)} tok/s, "
+                f"{_num(result.get('ms_per_step'), '.3f', 0)} ms/step"))
+        for session in sessions.values():
+            session.close()
+        sessions.clear()
+        _free(device)
+        rec["ratios"] = ratios(rec["systems"])
+        rec["complete"] = all(s in rec["systems"] for s in expected)
+        _save(path, rec)
     if stopped:
         log(stopped)
     if ceiling:
@@ -418,9 +660,10 @@ def seed_from_bundle(path: str, out_dir: str) -> None:
 
 
 def format_table(out_dir: str, configs: list[Config]) -> str:
-    """The compact table of every recorded configuration of ``configs`` in ``out_dir``."""
+    """The compact table of every recorded configuration of ``configs`` in ``out_dir`` (ratios of decode
+    tokens/s of (c) over (a), (b) and (d); of (e) over (c) on its own row)."""
     head = (f"{'config':<30}{'system':<20}{'prefill ms':>11}{'decode tok/s':>13}{'ms/step':>9}{'peak GiB':>9}"
-            f"{'GB/s':>8}{'c/a':>7}{'c/b':>7}")
+            f"{'GB/s':>8}{'c/a':>7}{'c/b':>7}{'c/d':>7}")
     lines = [head, "-" * len(head)]
     for cfg in configs:
         rec = _load(os.path.join(out_dir, cfg.name + ".json"))
@@ -438,14 +681,20 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
             tail = ""
             if system == "unimem":
                 tail = "".join(f"{r[k]:>7.2f}" if k in r else f"{'-':>7}"
-                               for k in ("decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static"))
+                               for k in ("decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static",
+                                         "decode_tokens_per_s_unimem/handloop"))
             elif system == FP8_SYSTEM:
                 key = f"decode_tokens_per_s_{FP8_SYSTEM}/unimem"
-                tail = f"   d/c {r[key]:.2f}" if key in r else ""
+                tail = f"   e/c {r[key]:.2f}" if key in r else ""
             lines.append(f"{cfg.name:<30}{LABELS[system]:<20}{_num(s.get('prefill_ms'), '.1f', 11)}"
                          f"{_num(s.get('decode_tokens_per_s'), '.1f', 13)}{_num(s.get('ms_per_step'), '.2f', 9)}"
                          f"{_num(peak / 2**30 if peak else None, '.2f', 9)}"
                          f"{_num(s.get('achieved_bandwidth_gbs'), '.1f', 8)}{tail}")
+            prof = s.get("profile") or {}
+            if prof.get("wall_over_kernel"):
+                lines.append(f"{'':<30}{'  profile':<20} wall {prof['wall_ms_per_step']:.3f} ms/step, kernels "
+                             f"{prof['kernel_ms_per_step']:.3f} (busy {prof['busy_ms_per_step']:.3f}), wall/kernel "
+                             f"{prof['wall_over_kernel']:.2f}, {prof['kernels_per_step']:.0f} kernels/step")
     return "\n".join(lines)
 
 
@@ -460,14 +709,16 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (a CPU check of the whole path)")
     p.add_argument("--configs", default=None, help="comma-separated globs over names like kimi-linear-48b-4l_b32_p512")
     p.add_argument("--systems", default=None,
-                   help="subset of eager,static,unimem (default all three) and, with --kv-dtype, unimem_fp8 "
-                        "(default with --kv-dtype: unimem,unimem_fp8)")
+                   help="subset of " + ",".join(SYSTEMS) + f" (default all) and, with --kv-dtype, {FP8_SYSTEM} "
+                        f"(default with --kv-dtype: unimem,{FP8_SYSTEM})")
     p.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
-                   help="run (d) unimem_fp8 with this KV dtype beside (c); default configuration "
+                   help=f"run (e) {FP8_SYSTEM} with this KV dtype beside (c); default configuration "
                         f"{FP8_CONFIGS[0]} (the bundle is generate_fp8_<date>.json)")
-    p.add_argument("--deadline-s", type=float, default=None, help="stop before a system that would end past this")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="stop before a configuration that would end past this")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (4 with --smoke)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per system, best kept (default 2; 1 smoke)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed rounds, the systems alternating; medians kept (default 3; 1 with --smoke)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--backend", default=None, help="unimem's inner backend (default inductor; eager with --smoke)")
     p.add_argument("--seed", type=int, default=0)
@@ -475,6 +726,8 @@ def main(argv=None) -> int:
                    help="(c)'s deferred_stop_check: None (auto, the default), True or False")
     p.add_argument("--bundle", default=None, help="also write every recorded configuration into this one JSON")
     p.add_argument("--resume-from", default=None, help="a bundle of an earlier run: its records are kept")
+    p.add_argument("--profile", action="store_true",
+                   help="(c) on CUDA: one more generate under torch.profiler: a step's kernel time vs its wall time")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_generate: --device cuda but CUDA is not available", file=sys.stderr)
@@ -495,7 +748,7 @@ def main(argv=None) -> int:
         print(f"bench_generate: unknown --systems {unknown}; choose from {choices}{hint}", file=sys.stderr)
         return 2
     args.new_tokens = args.new_tokens if args.new_tokens is not None else (4 if args.smoke else 64)
-    args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 2)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 3)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.backend = args.backend or ("eager" if args.smoke else "inductor")
     return run(args)

@@ -20,8 +20,38 @@ Systems, per chunk (``triton.testing.do_bench`` medians):
 
 TFLOP/s: useful FLOPs as ``mla_prefill_flops`` counts them (expansion of the row's stored tokens + causal
 attention pairs, ops/mla_prefill.py), the same count for every system, over the median time.
+``sync_in_stream`` (32k row, last chunk): what the piece count's device sync costs where it happens in a
+model, behind other queued work: ``LAYERS_IN_STREAM`` x (a ``[4096, 2304] x [2304, 9216]`` matmul standing in
+for the rest of a layer, then the op), with the host copy of the lengths and without it; the difference per
+op call is the sync's cost (the ``mla_prefill`` rewrite passes no host copy: docs/passes.md).
+
+``--model NAME`` (model level, ``model_level``): a whole prefill of one row of 4k, 32k and 128k random tokens
+in 4k chunks (``generate(max_new_tokens=1, prefill_chunk_size=4096)``: the prefill and one sampled token),
+best of ``--repeats`` after an untimed warm-up that compiles, for three systems with the same seeded
+weights (bf16 on CUDA): ``unimem`` (``unimem_compile.compile``, every rewrite: ``mla_prefill`` on the
+pages), ``old_path`` (every rewrite but ``mla_prefill``: each chunk gathers and expands ``max_seq_len``
+positions, today's prefill graph; the branch before chunked prefill could not chunk at all), ``stock``
+(stock transformers' chunked prefill on its DynamicCache, eager). One ``max_seq_len`` (the longest row + 16)
+for every row, as a deployment has. Reported per row and system: prefill ms, prefill tokens/s, the peak
+memory above what was allocated before the run, graphs compiled during the timed runs (must be 0), and
+against the matmul FLOP bound:
+
+    bound = FLOPs / the bf16 cuBLAS matmul ceiling measured in the same run
+
+with FLOPs counted for one prefill of the row (``model_prefill_flops``): every ``nn.Linear`` of the layers
+once per token (attention projections, ``kv_b_proj`` included; dense MLPs; shared experts), the routed
+experts' matmuls for ``num_experts_per_tok`` experts per token, the router; MLA attention ``2 H (dn + Dr +
+dv)`` per causal (query, key) pair (``N (N + 1) / 2`` pairs for ``N`` tokens, no pads); KDA ``6 H K V`` per
+token (the recurrence's three ``K x V`` products: ``k^T S``, the rank-1 update, ``q S``; the chunked form's
+extra intra-chunk work is not counted); the LM head for one position per chunk (generate asks for the last
+position's logits only). Not counted: elementwise work, norms, the convolution, softmax, and the history's
+re-expansion that ``mla_prefill`` does in every chunk (reported beside it as ``reexpansion_flops``; a
+design that kept the expanded history would not do it). ``x_of_bound`` = measured / bound.
 
 usage: python benchmarks/bench_mla_prefill.py [--out results.json] [--quick] [--sweep]
+       python benchmarks/bench_mla_prefill.py --model kimi-linear-48b-4l [--rows 4096 32768 131072] [--out f.json]
+       python benchmarks/bench_mla_prefill.py --model kimi-linear-tiny --device cpu --rows 64 96 --chunk 32 \
+           --backend aot_eager                                          (CPU smoke run, ~30 s)
 """
 
 from __future__ import annotations
@@ -31,6 +61,7 @@ import datetime
 import json
 import math
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +155,29 @@ def useful_flops(kv_len: int) -> int:
     return f["expand"] + f["attention"]
 
 
+#: matmul + op pairs per timed call of the sync_in_stream measurement
+LAYERS_IN_STREAM = 8
+
+
+def sync_in_stream(row: Row, kv_len: int, workspace: int) -> dict:
+    """The op behind other queued work, with and without the host copy of the lengths (module docstring)."""
+    x = torch.randn(CHUNK, 2304, device="cuda", dtype=DT)
+    w = torch.randn(2304, 9216, device="cuda", dtype=DT)
+    out = {}
+    for name, host in (("host_lengths_ms", True), ("sync_ms", False)):
+        a = row.args(kv_len, workspace, host=host)
+
+        def layers():
+            for _ in range(LAYERS_IN_STREAM):
+                torch.mm(x, w)
+                torch.ops.unimem.mla_prefill(*a)
+
+        out[name] = bench(layers)
+    out["sync_cost_per_call_ms"] = (out["sync_ms"] - out["host_lengths_ms"]) / LAYERS_IN_STREAM
+    out["layers"] = LAYERS_IN_STREAM
+    return out
+
+
 def run_row(tokens: int, workspace: int, ceiling: float, *, sync: bool) -> dict:
     row = Row(tokens)
     k_full, v_full = row.expanded()
@@ -168,6 +222,9 @@ def run_row(tokens: int, workspace: int, ceiling: float, *, sync: bool) -> dict:
     if sync:
         sync_total = sum(p["sync_ms"] for p in chunks)
         out["unimem_sync"] = {"total_ms": sync_total, "overhead_of_sync": sync_total / total - 1}
+        out["sync_in_stream"] = sync_in_stream(row, tokens, workspace)
+        print(f"{tokens:>7} sync in a busy stream: {out['sync_in_stream']['sync_cost_per_call_ms'] * 1e3:.0f} us "
+              "per call")
     print(f"{tokens:>7} total: unimem {total:.1f} ms ({out['unimem']['tflops']:.0f} TFLOP/s, "
           f"{out['unimem']['fraction_of_matmul']:.2f} of matmul), old path {old_total:.1f} ms "
           f"({out['old_path']['unimem_speedup']:.1f}x), stock SDPA alone {stock_total:.1f} ms "
@@ -206,13 +263,210 @@ def sweep(ceiling: float) -> list[dict]:
     return points
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------- model level
+MODEL_SYSTEMS = ("unimem", "old_path", "stock")
+MODEL_ROWS = (4096, 32768, 131072)
+
+
+def model_prefill_flops(model, tokens: int, chunk: int) -> dict:
+    """Matmul FLOPs of one prefill of ``tokens`` tokens (one row, no pads) in chunks of ``chunk``, counted as the
+    module docstring says: ``{"linear", "mla_attention", "kda", "lm_head", "total", "reexpansion_flops"}``."""
+    cfg = model.config
+    lm_head = model.get_output_embeddings()
+    top_k = getattr(cfg, "num_experts_per_tok", 0) or 0
+    per_token = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if module is not lm_head:
+                per_token += 2 * module.in_features * module.out_features
+            continue
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) and gate_up.dim() == 3:
+            per_token += 2 * top_k * (gate_up[0].numel() + down[0].numel())  # routed experts, top-k of them
+        weight = getattr(module, "weight", None)
+        if (isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and not isinstance(module, torch.nn.Embedding)
+                and module is not lm_head):
+            per_token += 2 * weight.numel()  # the router
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    mla_layers = sum(t == "full_attention" for t in types)
+    kda_layers = sum(t == "linear_attention" for t in types)
+    H = cfg.num_attention_heads
+    dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    pairs = tokens * (tokens + 1) // 2
+    mla = mla_layers * 2 * H * (dn + dr + dv) * pairs
+    kda = 0
+    if kda_layers:
+        kda = kda_layers * 6 * cfg.linear_num_heads * cfg.linear_head_dim * cfg.linear_head_dim * tokens
+    chunks = -(-tokens // chunk)
+    head = chunks * 2 * lm_head.in_features * lm_head.out_features
+    stored = sum(min(tokens, (c + 1) * chunk) for c in range(chunks))
+    linear = per_token * tokens
+    return {"linear": linear, "mla_attention": mla, "kda": kda, "lm_head": head,
+            "total": linear + mla + kda + head,
+            "reexpansion_flops": mla_layers * 2 * R * H * (dn + dv) * (stored - tokens)}
+
+
+def _matmul_ceiling(device: torch.device, dtype: torch.dtype) -> float:
+    """TFLOP/s of an ``n^3`` matmul on ``device`` (CUDA: bf16 cuBLAS at 8192, the op-level ceiling)."""
+    if device.type == "cuda":
+        return matmul_ceiling_tflops()
+    a = torch.randn(1024, 1024, dtype=dtype)
+    t = time.perf_counter()
+    for _ in range(5):
+        torch.mm(a, a)
+    return 5 * 2 * 1024**3 / (time.perf_counter() - t) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(system: str, name: str, device: torch.device, dtype: torch.dtype, max_seq_len: int, backend: str):
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+    from unimem_compile.passes import REWRITE_NAMES
+
+    model = build_model(name, dtype=dtype, device=device, seed=0)
+    if system != "stock":
+        passes = True if system == "unimem" else [n for n in REWRITE_NAMES if n != "mla_prefill"]
+        unimem_compile.compile(model, max_batch_size=1, max_seq_len=max_seq_len, page_size=PS if device.type ==
+                               "cuda" else 16, backend=backend, passes=passes)
+    return model
+
+
+def _prefill(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                              do_sample=False, prefill_chunk_size=chunk)
+
+
+def _graphs(model) -> int | None:
+    handle = getattr(model, "unimem", None)
+    return handle.passes.graphs if handle is not None else None
+
+
+def model_level(args) -> dict:
+    """Whole-model chunked prefills, three systems (module docstring); returns the JSON record."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = sorted(args.rows or MODEL_ROWS)
+    max_seq_len = max(rows) + 16
+    start = time.perf_counter()
+    ceiling = _matmul_ceiling(device, dtype)
+    result = {
+        "date": datetime.date.today().isoformat(), "model": args.model, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "dtype": str(dtype).removeprefix("torch."), "chunk": args.chunk, "max_seq_len": max_seq_len,
+        "repeats": args.repeats, "matmul_ceiling_tflops": ceiling,
+        "conditions": f"one row of random tokens, no padding, chunks of {args.chunk}, generate(max_new_tokens=1), "
+                      f"best of {args.repeats} after a compiling warm-up; one max_seq_len for every row",
+        "systems": {}, "rows": [],
+    }
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    vocab = None
+    models = {}
+    for system in args.systems:
+        t = time.perf_counter()
+        model = _build(system, args.model, device, dtype, max_seq_len, args.backend)
+        vocab = model.config.vocab_size
+        warm = torch.randint(3, vocab, (1, min(2 * args.chunk, max(rows))), generator=torch.Generator().manual_seed(1))
+        _prefill(model, warm.to(device), args.chunk)  # compiles the first-chunk and the later-chunk graphs
+        _sync(device)
+        models[system] = model
+        result["systems"][system] = {"build_and_warmup_s": time.perf_counter() - t, "graphs": _graphs(model),
+                                     "rewrites": dict(model.unimem.rewrites) if system != "stock" else None}
+        print(f"{system}: built and warmed up in {result['systems'][system]['build_and_warmup_s']:.1f} s")
+    print(f"matmul ceiling {ceiling:.3g} TFLOP/s ({dtype}); max_seq_len {max_seq_len}")
+    print(f"{'tokens':>7} {'system':>9} {'ms':>10} {'tokens/s':>10} {'x bound':>8} {'peak GiB':>9}")
+    last: dict[str, tuple[int, float]] = {}
+    for tokens in rows:
+        flops = model_prefill_flops(next(iter(models.values())), tokens, args.chunk)
+        bound_ms = flops["total"] / ceiling / 1e9
+        entry = {"tokens": tokens, "flops": flops, "bound_ms": bound_ms, "systems": {}}
+        ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
+        first_tokens = {}
+        for system, model in models.items():
+            if system in last:  # attention is quadratic: scale the last measured run by the squared length
+                seen, ms = last[system]
+                estimate = ms / 1e3 * (tokens / seen) ** 2 * args.repeats
+                if time.perf_counter() - start + estimate > args.deadline_s:
+                    entry["systems"][system] = {"skipped": f"would pass --deadline-s (estimate {estimate:.0f} s)"}
+                    print(f"{tokens:>7} {system:>9} skipped: estimate {estimate:.0f} s passes the deadline")
+                    continue
+            graphs = _graphs(model)
+            times = []
+            try:
+                for _ in range(args.repeats):
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                        before = torch.cuda.memory_allocated(device)
+                    _sync(device)
+                    t = time.perf_counter()
+                    out = _prefill(model, ids, args.chunk)
+                    _sync(device)
+                    times.append((time.perf_counter() - t) * 1e3)
+            except torch.OutOfMemoryError as e:
+                entry["systems"][system] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
+                print(f"{tokens:>7} {system:>9} out of memory")
+                torch.cuda.empty_cache()
+                continue
+            ms = min(times)
+            last[system] = (tokens, ms)
+            first_tokens[system] = int(out[0, -1])
+            rec = {"prefill_ms": ms, "prefill_tokens_per_s": tokens / ms * 1e3, "x_of_bound": ms / bound_ms,
+                   "runs_ms": times, "graphs_compiled_in_timed_runs": (None if graphs is None
+                                                                     else _graphs(model) - graphs)}
+            if device.type == "cuda":
+                rec["peak_bytes_above_start"] = torch.cuda.max_memory_allocated(device) - before
+            entry["systems"][system] = rec
+            peak = rec.get("peak_bytes_above_start")
+            print(f"{tokens:>7} {system:>9} {ms:>10.1f} {rec['prefill_tokens_per_s']:>10.0f} {rec['x_of_bound']:>8.2f} "
+                  + (f"{peak / 2**30:>9.2f}" if peak is not None else f"{'-':>9}"))
+        if "stock" in first_tokens:
+            entry["first_token_equal_to_stock"] = {s: t == first_tokens["stock"] for s, t in first_tokens.items()}
+        done = entry["systems"]
+        for other in ("old_path", "stock"):
+            if "prefill_ms" in done.get("unimem", {}) and "prefill_ms" in done.get(other, {}):
+                entry[f"unimem_speedup_over_{other}"] = done[other]["prefill_ms"] / done["unimem"]["prefill_ms"]
+        result["rows"].append(entry)
+        print(f"{tokens:>7} bound {bound_ms:.1f} ms ({flops['total'] / 1e12:.2f} TFLOP; re-expansion in mla_prefill "
+              f"{flops['reexpansion_flops'] / 1e12:.2f} TFLOP more)")
+        if args.out:  # rewritten after every row: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="rows of 4k and 32k only")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tiles and workspace sizes")
     ap.add_argument("--workspace", type=int, default=mp.WORKSPACE_TOKENS, help="workspace_tokens of the op")
-    args = ap.parse_args()
+    ap.add_argument("--model", default=None, help="model level: a preset of unimem_compile.hf.models "
+                    "(kimi-linear-48b-4l: the real geometry, 4 layers)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="model level: row lengths in tokens")
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="model level: prefill_chunk_size")
+    ap.add_argument("--device", default="cuda", help="model level: cuda or cpu")
+    ap.add_argument("--backend", default="inductor", help="model level: the inner torch.compile backend")
+    ap.add_argument("--repeats", type=int, default=2, help="model level: timed runs per row and system (best)")
+    ap.add_argument("--systems", default=",".join(MODEL_SYSTEMS), help="model level: comma-separated systems")
+    ap.add_argument("--deadline-s", type=float, default=float("inf"),
+                    help="model level: skip a row / system whose estimate would pass this many seconds")
+    args = ap.parse_args(argv)
+    if args.model is not None:
+        args.systems = [s for s in args.systems.split(",") if s]
+        unknown = sorted(set(args.systems) - set(MODEL_SYSTEMS))
+        if unknown or not args.systems:
+            ap.error(f"unknown --systems {unknown}; choose from {list(MODEL_SYSTEMS)}")
+        if args.repeats < 1 or args.chunk < 1:
+            ap.error(f"--repeats and --chunk must be >= 1, got {args.repeats} and {args.chunk}")
+        model_level(args)
+        return 0
     ceiling = matmul_ceiling_tflops()
     tiles = mp.mla_prefill_tiles(torch.device("cuda"), CHUNK)
     result = {
@@ -233,7 +487,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,9 +3,13 @@
 # device tool returns at most 8 files). Steps run in the order given, each under its own time limit, so a
 # step that hangs or fails costs only its own slot.
 #   usage (on the GPU machine, from the repo root): bash benchmarks/gpu_session.sh STEP...
-#   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's)
+#   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's;
+#    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
+#    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512")
 #   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
-#          bench_mla_prefill_sweep
+#          bench_mla_prefill_sweep bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
+#          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
+#          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
@@ -54,11 +58,18 @@ for s in "$@"; do
     bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;
+    bench_prefill_model) run_step bench_prefill_model 540 python3 -P benchmarks/bench_mla_prefill.py \
+                           --model kimi-linear-48b-4l --systems unimem,old_path \
+                           --deadline-s "$(( ${LIMIT_bench_prefill_model:-540} - 40 ))" --out "$OUT/json/prefill_model.json" ;;
+    bench_prefill_model_stock) run_step bench_prefill_model_stock 540 python3 -P benchmarks/bench_mla_prefill.py \
+                           --model kimi-linear-48b-4l --systems stock \
+                           --deadline-s "$(( ${LIMIT_bench_prefill_model_stock:-540} - 40 ))" \
+                           --out "$OUT/json/prefill_model_stock.json" ;;
     demo_real) run_step demo_real 165 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json ;;
     bench_passes) run_step bench_passes 200 python3 -P benchmarks/bench_passes.py --out "$OUT/json/passes.json" ;;
     bench_state_passes) run_step bench_state_passes 150 python3 -P benchmarks/bench_state_passes.py --cudagraphs --batches 32 --out "$OUT/json/state_passes.json" ;;
     bench_generate) run_step bench_generate "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --out /tmp/gen \
-                      --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate.json" ;;
+                      --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate.json" ${GEN_ARGS:-} ;;
     bench_tp) run_step bench_tp_1 "${TP_LIMIT:-290}" python3 -P benchmarks/bench_tp.py --out "$OUT/json/tp1.json" \
                 --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))"
               run_step bench_tp_2 "${TP_LIMIT:-290}" env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \

@@ -1,7 +1,7 @@
 """Give a Hugging Face Kimi-Linear model one unified memory pool and a compiled forward, then generate.
 
     python examples/generate.py                      # tiny random-weight model on the CPU
-    python examples/generate.py --device cuda        # bf16 on a GPU, Inductor with CUDA graphs
+    python examples/generate.py --device cuda        # bf16 on a GPU: each decode step one CUDA-graph replay
 
 With a real checkpoint, build the model with `AutoModelForCausalLM.from_pretrained(...)` instead.
 """
@@ -21,7 +21,8 @@ args = parser.parse_args()
 on_gpu = args.device.startswith("cuda")
 
 model = build_model(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32, device=args.device)
-model = unimem_compile.compile(model, max_batch_size=4, max_seq_len=256, cudagraphs=on_gpu)
+# cudagraphs defaults to on for a CUDA model: the decode runner replays one captured graph per decode step
+model = unimem_compile.compile(model, max_batch_size=4, max_seq_len=256)
 
 # two left-padded prompts (token ids of a random-weight model: any ids in the vocabulary will do)
 input_ids = torch.randint(3, model.config.vocab_size, (2, 40), device=args.device)

@@ -138,7 +138,8 @@ def quantize_rows(kv_nope: torch.Tensor, k_rope: torch.Tensor, fmt: MLARowFormat
     q = torch.where(scaled, x / torch.where(scaled, per_value, 1.0), 0.0).clamp(-fmt.fp8_max, fmt.fp8_max)
     out = torch.zeros(t, fmt.row_bytes, dtype=torch.uint8, device=kv_nope.device)
     out[:, :r] = q.to(fmt.dtype).view(torch.uint8)
-    out[:, fmt.scale_offset: fmt.rope_offset] = scale.contiguous().view(torch.uint8)
+    # flattened first: a [T, 1] or [0, S] result may carry a stride-0 dimension, which a dtype view refuses
+    out[:, fmt.scale_offset: fmt.rope_offset] = scale.contiguous().view(-1).view(torch.uint8).view(t, 4 * fmt.num_scales)
     rope = k_rope.to(FP8_ROW_DTYPE).contiguous().view(torch.uint8)
     out[:, fmt.rope_offset: fmt.rope_offset + rope.shape[1]] = rope
     return out

@@ -122,23 +122,23 @@ def _dims(q: torch.Tensor, w_kv_b: torch.Tensor, qk_rope_head_dim: int) -> tuple
 # ---------------------------------------------------------------------------------------------- reference
 def mla_prefill_reference(
     q: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-    kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, layer: int,
-    layer_num: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype,
+    kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, *geometry,
 ) -> torch.Tensor:
-    """Plain-torch :func:`mla_prefill` (same contract, no input checks), by the kernels' algorithm: the same
+    """Plain-torch :func:`mla_prefill` (same contract, ``geometry``: the six values of
+    :class:`~.geometry.MLAGeometry`; no input checks), by the kernels' algorithm: the same
     pieces of the packed history, the expansion in q's dtype, fp32 scores, and the same log-sum-exp merge
     across pieces, so CPU runs exercise the merge. Tokens on tombstoned or -1 pages inside ``kv_len`` read as
     zero rows; bytes past ``kv_len`` are never used. Lengths come from ``kv_len_host`` (``kv_len`` copied to
     the host when None). fp8 rows are dequantised (:func:`.fp8.dequantize_rows`) before the cast to q's dtype."""
-    B, H, T, dn, dv = _dims(q, w_kv_b, qk_rope_head_dim)
-    R, ps = kv_lora_rank, page_size
+    g = MLAGeometry(*geometry)
+    B, H, T, dn, dv = _dims(q, w_kv_b, g.qk_rope_head_dim)
+    R, ps = g.kv_lora_rank, g.page_size
     dev = q.device
     lengths, total, pieces = mla_prefill_plan(kv_len_host if kv_len_host is not None else kv_len.cpu(),
                                               page_table.shape[1] * ps, workspace_tokens)
     out = torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev)
     lse = torch.full((B, T, H), float("-inf"), dtype=torch.float32, device=dev)
     starts = [sum(lengths[:b]) for b in range(B)]
-    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
     stored = arena_rows(arena, g)
     w = w_kv_b.reshape(H, dn + dv, R)
     t = torch.arange(T, device=dev)
@@ -151,7 +151,7 @@ def mla_prefill_reference(
             i = torch.arange(lo, hi, device=dev)
             loc = page_table[b].long()[i // ps]
             loc = torch.where(loc >= 0, loc * ps + i % ps, -1)
-            rows, live = latent_rows(v2p, loc, layer, layer_num, ps)
+            rows, live = latent_rows(v2p, loc, g.layer, g.layer_num, ps)
             values = fp8.dequantize_rows(stored[rows], g.row_format) if g.quantized else stored[rows]
             lat = torch.where(live[:, None], values.to(q.dtype), torch.zeros((), dtype=q.dtype, device=dev))
             kv = torch.einsum("nr,hcr->nhc", lat[:, :R], w)  # [n, H, dn + dv] in q's dtype, as F.linear rounds
@@ -402,10 +402,11 @@ def _tiles(arch: int | None, T: int, dtype: torch.dtype = torch.bfloat16) -> dic
     return tiles
 
 
-def _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, layer,
-           layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype) -> None:
+def _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens,
+           g: MLAGeometry) -> None:
     check_tensor(op, "q", q, dtype=COMPUTE_DTYPES, dim=4)
     B, H, T, dq = q.shape
+    kv_lora_rank, qk_rope_head_dim = g.kv_lora_rank, g.qk_rope_head_dim
     if dq <= qk_rope_head_dim:
         raise GeometryError(f"{op}: q's last dimension {dq} must be qk_nope_head_dim + qk_rope_head_dim with "
                             f"qk_nope_head_dim >= 1; qk_rope_head_dim is {qk_rope_head_dim}")
@@ -427,11 +428,10 @@ def _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale,
         raise ValueError(f"{op}: workspace_tokens must be an int >= 1, got {workspace_tokens!r}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"{op}: sm_scale must be finite, got {sm_scale}")
-    check_mla_geometry(op, arena, v2p,
-                       MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype))
+    check_mla_geometry(op, arena, v2p, g)
     check_same_device(op, q=q, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len, w_kv_b=w_kv_b)
     if env.debug():
-        check_live_page_table(op, v2p, page_table, kv_len, page_size)
+        check_live_page_table(op, v2p, page_table, kv_len, g.page_size)
         if kv_len_host is not None:
             device_lens = kv_len.cpu()
             bad = torch.nonzero(device_lens != kv_len_host).reshape(-1)[:8].tolist()
@@ -443,14 +443,14 @@ def _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale,
 
 def mla_prefill_triton(
     q: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-    kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, layer: int,
-    layer_num: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype, *,
+    kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, *geometry,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, gather_block: int = 16,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_prefill`: per piece one gather launch, one matmul, one attention launch.
 
-    Args: as :func:`mla_prefill`, plus keyword-only tuning knobs (defaults: :func:`mla_prefill_tiles`):
+    Args: as :func:`mla_prefill` (``geometry``: its six geometry values, :class:`~.geometry.MLAGeometry`),
+    plus keyword-only tuning knobs (defaults: :func:`mla_prefill_tiles`):
         block_m: queries per program (a power of two >= 16).
         block_n: keys per tile (a power of two >= 16).
         num_warps, num_stages: Triton launch options of the attention kernel.
@@ -460,10 +460,11 @@ def mla_prefill_triton(
     or CPU tensors without ``TRITON_INTERPRET=1``.
     """
     op = "mla_prefill"
-    _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, layer,
-           layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(*geometry)
+    _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, g)
     check_kernel_device(op, q.device)
-    B, H, T, dn, dv = _dims(q, w_kv_b, qk_rope_head_dim)
+    layer, layer_num, page_size = g.layer, g.layer_num, g.page_size
+    B, H, T, dn, dv = _dims(q, w_kv_b, g.qk_rope_head_dim)
     tiles = mla_prefill_tiles(q.device, T, q.dtype)
     block_m = tiles["block_m"] if block_m is None else block_m
     block_n = tiles["block_n"] if block_n is None else block_n
@@ -474,7 +475,7 @@ def mla_prefill_triton(
         check_knob(op, name, value, low=low, power_of_two=True)
     check_knob(op, "num_stages", num_stages)
 
-    R, Dr = kv_lora_rank, qk_rope_head_dim
+    R, Dr = g.kv_lora_rank, g.qk_rope_head_dim
     P = page_table.shape[1]
     out = torch.empty((B, T, H, dv), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -496,8 +497,7 @@ def mla_prefill_triton(
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         acc = lse = out  # never read or written with one piece (first and last)
-    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
-    kv = None if g.quantized else typed_rows(arena, kv_dtype, R + Dr)
+    kv = None if g.quantized else typed_rows(arena, g.kv_dtype, R + Dr)
     w_t = w_kv_b.t()
     r_p2, dr_p2 = triton.next_power_of_2(R), triton.next_power_of_2(Dr)
     steps = max(1, (B - 1).bit_length())
@@ -572,26 +572,23 @@ def mla_prefill(
         ``kv_len_host`` that disagrees with ``kv_len``. ValueError: devices (``kv_len_host`` must be on the
         CPU), a workspace < 1, a non-finite scale.
     """
-    _check("mla_prefill", q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens,
-           layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    _check("mla_prefill", q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, g)
     return mla_prefill_reference(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale,
-                                 workspace_tokens, layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim,
-                                 kv_dtype)
+                                 workspace_tokens, *g.args())
 
 
 @mla_prefill.register_kernel("cuda")
-def _(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, layer, layer_num,
-      page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+def _(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, *geometry):
     return mla_prefill_triton(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens,
-                              layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+                              *geometry)
 
 
 @mla_prefill.register_fake
-def _(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, layer, layer_num,
-      page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype):
+def _(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, *geometry):
     check_same_device("mla_prefill", q=q, arena=arena, v2p=v2p, page_table=page_table, kv_len=kv_len, w_kv_b=w_kv_b)
     if kv_len_host is not None and kv_len_host.device.type != "cpu":  # e.g. a meta tensor among real ones
         raise ValueError(f"mla_prefill: kv_len_host must be a CPU tensor (the host copy of kv_len), got "
                          f"{kv_len_host.device}")
-    B, H, T, dn, dv = _dims(q, w_kv_b, qk_rope_head_dim)
+    B, H, T, dn, dv = _dims(q, w_kv_b, MLAGeometry(*geometry).qk_rope_head_dim)
     return q.new_empty((B, T, H, dv)).transpose(1, 2)

@@ -14,6 +14,7 @@ from .conv_state_inplace import ConvStateInplace
 from .kda_state_inplace import KDAStateInplace
 from .manager import REWRITE_NAMES, GraphRecord, PassManager, dump_dir
 from .mla_absorb import MLAAbsorb
+from .mla_prefill import MLAPrefill
 from .mla_write_fusion import MLAWriteFusion
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Refused",
     "MLAWriteFusion",
     "MLAAbsorb",
+    "MLAPrefill",
     "KDAStateInplace",
     "ConvStateInplace",
     "dump_dir",
@@ -34,7 +36,7 @@ __all__ = [
 
 def all_rewrites() -> list:
     """One fresh instance of every rewrite that exists, in the order they run (``REWRITE_NAMES``)."""
-    rewrites = [MLAWriteFusion(), MLAAbsorb(), KDAStateInplace(), ConvStateInplace()]
+    rewrites = [MLAWriteFusion(), MLAAbsorb(), KDAStateInplace(), ConvStateInplace(), MLAPrefill()]
     order = {name: i for i, name in enumerate(REWRITE_NAMES)}
     return sorted(rewrites, key=lambda r: order[r.name])
 

@@ -106,6 +106,9 @@ class Rewrite(CustomGraphPass):
     """
 
     name: str = ""
+    #: source files besides this module and the subclass's own that decide what the rewrite matches or
+    #: emits (shared matchers): part of :meth:`uuid`
+    extra_sources: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.count = 0
@@ -145,9 +148,10 @@ class Rewrite(CustomGraphPass):
         return self.count
 
     def uuid(self) -> str:
-        """Hash of the rewrite's source (its module and this one) and :meth:`settings`."""
+        """Hash of the rewrite's source (its module, this one and :attr:`extra_sources`) and :meth:`settings`."""
         module = inspect.getmodule(type(self))
         files = [__file__] + ([module.__file__] if module is not None and module.__file__ else [])
+        files += list(self.extra_sources)
         return source_hash(*dict.fromkeys(files), extra=f"{self.name}:{sorted(self.settings().items())!r}")
 
     def __repr__(self) -> str:

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp8_e4m3fnuz: scaled fp8 rows, parity then compares teacher-forced logits with stock "
                         "transformers'")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
-    d.add_argument("--cudagraphs", action="store_true", help="Inductor CUDA graphs (CUDA only)")
+    d.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for decode (default: on for CUDA, off elsewhere)")
     d.add_argument("--json", action="store_true", help="print one JSON object (docs/design.md section 5 keys)")
     d.set_defaults(func=_demo)
 
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import inspect_graphs
 
-    p = sub.add_parser("inspect", help="print one MLA layer's decode graph before and after the rewrites")
+    p = sub.add_parser("inspect", help="print one MLA layer's decode (or prefill) graph before and after the rewrites")
     inspect_graphs.add_arguments(p)
     return parser
 

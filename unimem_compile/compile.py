@@ -24,6 +24,7 @@ from .hf.adapters import ModelAdapter, adapter_for
 from .hf.runtime import UnimemHandle, install
 from .options import CompileOptions
 from .pool import ArenaLayout, UnifiedPool
+from .runner.decode import DecodeRunner
 
 __all__ = ["compile"]
 
@@ -156,7 +157,7 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     kv_dtype: torch.dtype | None = None,
     passes: bool | Collection[str] = True,
     backend: str = "inductor",
-    cudagraphs: bool = False,
+    cudagraphs: bool | None = None,
     deferred_stop_check: bool | None = None,
     tensor_parallel: bool = False,
 ):
@@ -179,10 +180,12 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
         passes: True runs every rewrite, False none, or a collection of rewrite names
             (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).
-        cudagraphs: Inductor's ``triton.cudagraphs`` for decode graphs (one token per row; CUDA only; never
-            ``torch.compile``'s ``mode=``). Prefill graphs are compiled without CUDA graphs. None is accepted
-            too: on for CUDA models, off elsewhere (the setting of docs/design.md section 5; the default
-            stays False in this version).
+        cudagraphs: CUDA graphs for decode (never ``torch.compile``'s ``mode=``). None (default): on for
+            CUDA models, off elsewhere. On, the decode runner captures each decode step (forward, logits
+            processing, sampling, bookkeeping) in one ``torch.cuda.CUDAGraph`` per batch-size bucket and
+            replays it; a call that runs transformers' own decode loop uses Inductor's CUDA graphs for its
+            decode graph. Prefill graphs are never CUDA-graphed (each prompt length would record its own).
+            True on a non-CUDA model only warns; off, the runner calls its compiled step without capture.
         deferred_stop_check: let transformers' generate() read its stop flag one step late
             (``DeferredStopCheck``, which transformers enables on ``mps`` only) when generate() creates the
             cache, so the host prepares and launches step n + 1 while the GPU runs step n instead of waiting
@@ -258,8 +261,14 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     handle = UnimemHandle(model, adapter, pool, options.max_batch_size, options.max_seq_len, manager,
                           deferred_stop_check=options.deferred_stop_check)
     handle.tensor_parallel = tp
-    compiled = torch.compile(_own_entry(model.forward, len(_COMPILED)),
-                             backend=manager.backend(options.backend, options.cudagraphs_for(device)), fullgraph=True)
+    tag = len(_COMPILED)
+    cudagraphs = options.cudagraphs_for(device)
+    compiled = torch.compile(_own_entry(model.forward, tag), backend=manager.backend(options.backend, cudagraphs),
+                             fullgraph=True)
+    # the runner traces the forward inside its own step and captures the step itself: its backend must not add
+    # Inductor's CUDA graphs (a graph cannot be captured inside another capture)
+    handle.runner = DecodeRunner(model, handle, model.forward, manager.backend(options.backend, False),
+                                 capture=cudagraphs, tag=tag)
     _COMPILED.append(type(model).__name__)
     install(model, handle, compiled)
     return model

@@ -7,7 +7,9 @@ handful of English prompts with a byte-level tokenizer, and runs
 2. ``unimem_compile.compile(model, ...)`` then ``generate()``: once to compile, then timed;
 
 (each system timed over :data:`TIMED_RUNS` calls; the fastest decode counts, measured inside one call from
-the end of the prefill step to the last step by :class:`StepClock`)
+the end of the prefill step to the last step: by :class:`StepClock` for stock transformers, by the decode
+runner's own clock (``model.unimem.timed_decode()``) for the compiled model, since a logits processor would
+send the call to transformers' own loop)
 
 then reports parity (fp32: greedy tokens identical; bf16: teacher-forced logits as close to an fp32 run
 of the same weights as stock transformers' bf16 logits are, see BF16_ERROR_FACTOR; fp8 KV: teacher-forced
@@ -111,16 +113,23 @@ class StepClock:
 def _timed_generate(model, ids, mask, new_tokens: int, device) -> tuple[torch.Tensor, float, float]:
     """One greedy generate(): ``(output ids, wall seconds of the call, seconds of its decode steps)`` (the
     decode figure runs from the end of the prefill step to the end of the last step, in one call, so it is
-    never a difference of two separately timed calls)."""
-    clock = StepClock(device)
+    never a difference of two separately timed calls). A compiled model is timed by its decode runner's
+    clock, stock transformers by a :class:`StepClock`."""
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     _sync(device)
     start = time.perf_counter()
-    clock.mark()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, logits_processor=[clock])
+    if hasattr(model, "unimem"):
+        with model.unimem.timed_decode() as timing, torch.no_grad():
+            out = model.generate(ids, **kwargs)
+        decode = timing.decode_seconds()
+    else:
+        clock = StepClock(device)
+        clock.mark()
+        with torch.no_grad():
+            out = model.generate(ids, logits_processor=[clock], **kwargs)
+        decode = clock.elapsed(1, len(clock.marks) - 1)
     _sync(device)
-    return out, time.perf_counter() - start, clock.elapsed(1, len(clock.marks) - 1)
+    return out, time.perf_counter() - start, decode
 
 
 #: timed generate() calls per system in the demo; the fastest decode is reported
@@ -254,7 +263,7 @@ class DemoArgumentError(ValueError):
 
 def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: torch.dtype | None = None,
              new_tokens: int = 24, backend: str = "inductor", page_size: int = 16, passes=True,
-             cudagraphs: bool = False, log=print, kv_dtype=None) -> dict:
+             cudagraphs: bool | None = None, log=print, kv_dtype=None) -> dict:
     """Run the side-by-side comparison and return the ``demo --json`` object (docs/design.md section 5).
 
     ``kv_dtype``: the compiled model's KV dtype (``compile(kv_dtype=...)``; None: the model's). An fp8 one

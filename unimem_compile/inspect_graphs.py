@@ -1,4 +1,4 @@
-"""``unimem-compile inspect``: one MLA layer's decode graph before and after the rewrites.
+"""``unimem-compile inspect``: one MLA layer's decode (or prefill) graph before and after the rewrites.
 
 :func:`capture` runs a built-in tiny model through ``unimem_compile.compile`` and a short ``generate()``
 with a pass manager that keeps a copy of every graph; :func:`format_layer` prints the nodes of one
@@ -64,6 +64,13 @@ class Capture:
             raise ValueError(f"no decode graph was compiled ({len(self.records)} graph(s) recorded, none with one "
                              "token per row): capture with new_tokens >= 2")
         return self.records[-1]
+
+    @property
+    def prefill(self) -> GraphRecord:
+        """The record of the first prefill graph compiled (more than one token per row)."""
+        from unimem_compile.passes.manager import is_decode_graph
+
+        return next(r for r in self.records if not is_decode_graph(r.after))
 
 
 def capture(model_name: str, *, passes: bool | list[str] = True, backend: str = "eager",
@@ -195,20 +202,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="kimi-linear-tiny", choices=INSPECT_MODELS)
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                         help="transformers' attention implementation (default sdpa)")
+    parser.add_argument("--graph", default="decode", choices=("decode", "prefill"),
+                        help="the graph to print: decode (mla_absorb) or prefill (mla_prefill; its query length "
+                             "is symbolic)")
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    """``unimem-compile inspect``: print the first MLA layer's decode graph before and after, and counts."""
+    """``unimem-compile inspect``: print the first MLA layer's decode (or prefill) graph before and after, and
+    the counts."""
     result = capture(args.model, attn_implementation=args.attn)
-    decode = result.decode
-    prefix = attention_prefixes(decode.before)[0]
-    print(f"# {args.model} ({args.attn}): decode graph of {prefix}, before the rewrites")
-    print(format_layer(decode.before, prefix))
+    kind = getattr(args, "graph", "decode")
+    record = result.decode if kind == "decode" else result.prefill
+    prefix = attention_prefixes(record.before)[0]
+    print(f"# {args.model} ({args.attn}): {kind} graph of {prefix}, before the rewrites")
+    print(format_layer(record.before, prefix))
     print("\n# after the rewrites")
-    print(format_layer(decode.after, prefix))
-    print("\n# replacements in this decode graph: "
-          + ", ".join(f"{name} {n}" for name, n in decode.counts.items()))
+    print(format_layer(record.after, prefix))
+    print(f"\n# replacements in this {kind} graph: "
+          + ", ".join(f"{name} {n}" for name, n in record.counts.items()))
     print("# replacements in every graph of this model (prefill + decode): "
           + ", ".join(f"{name} {n}" for name, n in result.model.unimem.rewrites.items()))
     return 0

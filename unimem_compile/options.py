@@ -79,8 +79,10 @@ class CompileOptions:
         passes: the rewrites to run: True (all of :data:`~unimem_compile.passes.REWRITE_NAMES`), False
             (none), or a name or a collection of names; held as the frozenset of the names after the check.
         backend: the inner ``torch.compile`` backend, a registered backend name.
-        cudagraphs: Inductor's CUDA graphs for decode graphs: True, False, or None (on for CUDA models,
-            off elsewhere: :meth:`cudagraphs_for`). ``compile()``'s default is False.
+        cudagraphs: CUDA graphs for decode: True, False, or None (the default: on for CUDA models, off
+            elsewhere: :meth:`cudagraphs_for`). On, the decode runner captures every decode step in one
+            ``torch.cuda.CUDAGraph`` per batch-size bucket, and a call that falls back to transformers' own
+            decode loop gets Inductor's CUDA graphs for its decode graph.
         deferred_stop_check: True, False or None (automatic: CUDA generate() calls of at least
             ``DEFERRED_STOP_MIN_ROWS`` rows).
         tensor_parallel: shard the model over torch.distributed's default process group (a bool).
@@ -102,7 +104,7 @@ class CompileOptions:
     kv_dtype: torch.dtype | None = None
     passes: bool | Collection[str] = True
     backend: str = "inductor"
-    cudagraphs: bool | None = False
+    cudagraphs: bool | None = None
     deferred_stop_check: bool | None = None
     tensor_parallel: bool = False
 

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on the CPU: the generation benchmark's smoke mode (tiny model, all
-three systems, resume and deadline) and the capacity benchmark's quick mode (JSON, plots, targets)."""
+four systems, resume and deadline; its profile parser on a synthetic trace) and the capacity benchmark's
+quick mode (JSON, plots, targets)."""
 
 import importlib.util
 import json
@@ -19,25 +20,29 @@ def _script(name):
     return module
 
 
-def test_generate_smoke_records_all_three_systems_then_resumes_without_rerunning(tmp_path, capsys):
+def test_generate_smoke_records_all_four_systems_then_resumes_without_rerunning(tmp_path, capsys):
     bench = _script("bench_generate")
     out = tmp_path / "gen"
     bundle = tmp_path / "bundle.json"
     argv = ["--device", "cpu", "--smoke", "--configs", "kimi-linear-tiny_b2_p24"]
-    assert bench.main(argv + ["--out", str(out), "--bundle", str(bundle)]) == 0
+    assert bench.main(argv + ["--out", str(out), "--bundle", str(bundle), "--repeats", "2", "--profile"]) == 0
     rec = json.loads((out / "kimi-linear-tiny_b2_p24.json").read_text())
-    assert rec["complete"] is True and set(rec["systems"]) == {"eager", "static", "unimem"}
+    assert rec["complete"] is True and set(rec["systems"]) == {"eager", "static", "unimem", "handloop"}
     assert rec["config"] == {"model": "kimi-linear-tiny", "batch": 2, "prompt": 24}
     assert rec["environment"]["fla"]["importable"] in (True, False)
     for name, s in rec["systems"].items():
         assert "error" not in s, (name, s.get("error"))
         assert s["new_tokens_generated"] == 4 and s["decode_steps"] == 3
         assert s["prefill_ms"] > 0 and s["decode_tokens_per_s"] > 0 and s["achieved_bandwidth_gbs"] > 0
-    # fp32 greedy on the CPU: the three systems generate the same tokens
-    assert rec["systems"]["static"]["new_tokens_equal_to_eager"] == 1.0
-    assert rec["systems"]["unimem"]["new_tokens_equal_to_eager"] == 1.0
-    assert rec["systems"]["unimem"]["pool"]["kv_pages_used"] == 0  # generate() gave its pages back
-    assert {"decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static"} <= set(rec["ratios"])
+    # fp32 greedy on the CPU: the four systems generate the same tokens
+    for name in ("static", "unimem", "handloop"):
+        assert rec["systems"][name]["new_tokens_equal_to_eager"] == 1.0, name
+    unimem = rec["systems"]["unimem"]
+    assert unimem["pool"]["kv_pages_used"] == 0  # generate() gave its pages back
+    assert len(unimem["runs"]) == 2 and unimem["runner"]["steps"][0]["steps"] > 0  # the runner decoded
+    assert unimem["profile"] == {"skipped": "needs CUDA (the kernels of the captured steps)"}
+    ratio_keys = {f"decode_tokens_per_s_unimem/{o}" for o in ("eager", "static", "handloop")}
+    assert ratio_keys <= set(rec["ratios"]) and ratio_keys <= set(rec["ratios"]["_rounds"])  # per-round medians
     table = capsys.readouterr().out
     assert "(c) unimem" in table and "kimi-linear-tiny_b2_p24" in table
 
@@ -67,12 +72,13 @@ def test_generate_smoke_with_fp8_kv_records_the_fp8_system(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--systems", "unimem_fp8"], "unknown --systems ['unimem_fp8']; choose from ['eager', 'static', 'unimem'] "
+    (["--systems", "unimem_fp8"], "unknown --systems ['unimem_fp8']; choose from ['eager', 'static', 'unimem', "
+                                  "'handloop'] "
                                   "(unimem_fp8 needs --kv-dtype)"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 1"),
     (["--new-tokens", "0"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
-    (["--systems", "eager,foo"], "unknown --systems ['foo']; choose from ['eager', 'static', 'unimem']"),
+    (["--systems", "eager,foo"], "unknown --systems ['foo']; choose from ['eager', 'static', 'unimem', 'handloop']"),
 ])
 def test_generate_refuses_arguments_it_would_silently_rewrite_or_ignore(tmp_path, capsys, argv, message):
     bench = _script("bench_generate")
@@ -98,6 +104,23 @@ def test_generate_does_not_resume_a_record_measured_under_other_conditions(tmp_p
     recorded["systems"]["eager"]["decode_tokens_per_s"] = None
     (out / f"{name}.json").write_text(json.dumps(recorded))
     assert "n/a" in bench.format_table(str(out), [c for c in bench.SMOKE_CONFIGS if c.name == name])
+
+
+def test_graph_kernel_time_counts_the_kernels_of_graph_replays_only():
+    bench = _script("bench_generate")
+
+    def runtime(name, corr):
+        return {"cat": "cuda_runtime", "name": name, "ts": 0.0, "dur": 1.0, "args": {"correlation": corr}}
+
+    def kernel(ts, dur, corr):
+        return {"cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [runtime("cudaGraphLaunch", 1), runtime("cudaGraphLaunch_v10000", 2), runtime("cudaLaunchKernel", 3),
+              kernel(10.0, 100.0, 1), kernel(60.0, 100.0, 1),  # overlapping: busy 150 us, summed 200 us
+              kernel(500.0, 50.0, 2), kernel(900.0, 400.0, 3)]  # the last one is no replay's (a prefill kernel)
+    got = bench.graph_kernel_time(events)
+    assert got == {"replays": 2, "kernel_ms_per_step": 0.125, "busy_ms_per_step": 0.1, "kernels_per_step": 1.5}
+    assert bench.graph_kernel_time([runtime("cudaLaunchKernel", 3), kernel(0.0, 5.0, 3)])["replays"] == 0
 
 
 def test_generate_deadline_stops_before_starting_a_system(tmp_path, capsys):
@@ -171,3 +194,36 @@ def test_capacity_refuses_bad_arguments_before_simulating(tmp_path, capsys, argv
     bench = _script("bench_capacity")
     assert bench.main(["--quick", "--out", str(tmp_path / "c.json"), "--plots", str(tmp_path / "p"), *argv]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "c.json").exists()
+
+
+def test_prefill_model_flops_count_every_matmul_once_as_documented():
+    """kimi-linear-tiny (KDA, MLA, KDA, MLA; dense, MoE, dense, MoE), 100 tokens in chunks of 32, by hand."""
+    from unimem_compile.hf.models import build_model
+
+    bench = _script("bench_mla_prefill")
+    kda = 3 * 128 * 256 + 32 * 256 + 128 * 32 + 4 * 256 + 32 * 256 + 128 * 32 + 256 * 128  # q k v f_a f_b b g_a g_b o
+    mla = 192 * 256 + 80 * 256 + 256 * 64 + 256 * 128  # q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+    dense = 2 * 512 * 256 + 256 * 512
+    moe = 8 * 256 + 2 * (256 * 256 + 256 * 128) + 2 * 128 * 256 + 256 * 128  # router, top-2 experts, shared
+    flops = bench.model_prefill_flops(build_model("kimi-linear-tiny"), 100, 32)
+    assert flops["linear"] == 100 * 2 * 2 * (kda + mla + dense + moe)
+    assert flops["mla_attention"] == 2 * 2 * 4 * (32 + 16 + 32) * (100 * 101 // 2)
+    assert flops["kda"] == 2 * 6 * 4 * 32 * 32 * 100
+    assert flops["lm_head"] == 4 * 2 * 256 * 1024  # one position per chunk, 4 chunks
+    assert flops["total"] == flops["linear"] + flops["mla_attention"] + flops["kda"] + flops["lm_head"]
+    assert flops["reexpansion_flops"] == 2 * 2 * 64 * 4 * (32 + 32) * (32 + 64 + 96 - 0)
+
+
+def test_prefill_model_level_records_a_row_per_length(tmp_path):
+    """The model-level harness end to end on the CPU for the stock system (no compile: the unimem systems'
+    smoke run is the documented command, ~30 s)."""
+    bench = _script("bench_mla_prefill")
+    out = tmp_path / "prefill.json"
+    assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "40", "20", "--chunk", "16",
+                       "--systems", "stock", "--repeats", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [r["tokens"] for r in rec["rows"]] == [20, 40] and rec["max_seq_len"] == 56
+    for row in rec["rows"]:
+        stock = row["systems"]["stock"]
+        assert stock["prefill_ms"] > 0 and stock["prefill_tokens_per_s"] > 0 and row["bound_ms"] > 0
+        assert stock["x_of_bound"] == stock["prefill_ms"] / row["bound_ms"]

@@ -1,8 +1,10 @@
-"""generate() on CUDA with transformers' stop flag read one step late (``deferred_stop_check``, on by
-default for CUDA calls of 8+ rows): the host prepares step n + 1 while the GPU runs step n. Tokens must equal
-stock transformers' (fp32, TF32 off); an EOS stop costs exactly one extra decode step, a length stop none;
-a cache the caller passes is never deferred; nothing leaks. Tiny Kimi-Linear, decode graphs under
-Inductor with CUDA graphs (the run-ahead reuses the graphs' static inputs)."""
+"""generate() on CUDA through transformers' own decode loop (``model.unimem.use_runner = False``: the path a
+call takes when the decode runner does not fuse one of its settings) with transformers' stop flag read one
+step late (``deferred_stop_check``, on by default for CUDA calls of 8+ rows): the host prepares step n + 1
+while the GPU runs step n. Tokens must equal stock transformers' (fp32, TF32 off); an EOS stop costs exactly
+one extra decode step, a length stop none; a cache the caller passes is never deferred; nothing leaks. Tiny
+Kimi-Linear, decode graphs under Inductor with CUDA graphs (the run-ahead reuses the graphs' static inputs).
+The decode runner on CUDA: tests/gpu/test_runner_gpu.py."""
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ def pair():
     stock = build_model("kimi-linear-tiny").cuda()
     model = build_model("kimi-linear-tiny").cuda()
     unimem_compile.compile(model, max_batch_size=4, max_seq_len=96, page_size=16, cudagraphs=True)
+    model.unimem.use_runner = False  # these tests count transformers' forwards and its deferred stop
     yield stock, model
     torch.backends.cuda.matmul.allow_tf32 = saved
 

@@ -89,12 +89,18 @@ def test_pages_of_a_finished_generate_are_reused(pair):
 
 
 def sampled(stock, model, ids, mask, seed, **kw):
-    """(stock tokens, compiled-model tokens) of one sampled generate() each, from the same torch seed."""
+    """(stock tokens, compiled-model tokens) of one sampled generate() each, from the same torch seed. The
+    compiled model runs transformers' own decode loop (``use_runner = False``): the decode runner's draws
+    follow the same distribution but are not stock's (tests/hf/test_generate_runner.py)."""
     out = []
-    for m in (stock, model):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out.append(m.generate(ids, attention_mask=mask, do_sample=True, **kw))
+    model.unimem.use_runner = False
+    try:
+        for m in (stock, model):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out.append(m.generate(ids, attention_mask=mask, do_sample=True, **kw))
+    finally:
+        model.unimem.use_runner = True
     return out
 
 
@@ -388,14 +394,13 @@ def test_beam_search_and_use_cache_false_are_refused_by_name(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
-def test_assisted_decoding_and_chunked_prefill_are_refused_by_name(small):
+def test_assisted_decoding_is_refused_by_name(small):
     from transformers import DynamicCache
 
     ids, mask = prompts([5, 4], seed=3)
     for kw, message in (
         ({"prompt_lookup_num_tokens": 3}, r"assisted / speculative decoding \(prompt_lookup_num_tokens=3\)"),
         ({"assistant_model": build_model("kimi-linear-tiny")}, r"speculative decoding \(assistant_model\) is not"),
-        ({"prefill_chunk_size": 4}, r"prefill_chunk_size=4 is not supported"),
     ):
         with pytest.raises(UnsupportedModel, match=message):
             small.generate(ids, attention_mask=mask, max_new_tokens=2, **kw)
@@ -870,10 +875,12 @@ def test_releasing_a_cache_in_another_thread_waits_for_a_running_generate(small)
             steps.append(t)
 
     a.prepare_step = prepare_then_release_b
+    small.unimem.use_runner = False  # a step per prepare_step (the runner's version: test_generate_runner.py)
     try:
         with torch.no_grad():
             got = small.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=a)
     finally:
+        small.unimem.use_runner = True
         a.release()
     releaser = next(x for x in steps if isinstance(x, threading.Thread))
     releaser.join()

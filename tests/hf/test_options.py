@@ -30,7 +30,9 @@ def test_cudagraphs_none_follows_the_device_and_a_bool_is_kept():
     auto = CompileOptions(max_batch_size=1, max_seq_len=8, cudagraphs=None)
     assert auto.cudagraphs_for(torch.device("cuda", 0)) and not auto.cudagraphs_for(torch.device("cpu"))
     assert CompileOptions(max_batch_size=1, max_seq_len=8, cudagraphs=True).cudagraphs_for(torch.device("cpu"))
-    assert not CompileOptions(max_batch_size=1, max_seq_len=8).cudagraphs_for(torch.device("cuda", 0))
+    default = CompileOptions(max_batch_size=1, max_seq_len=8)  # the default is None: on for CUDA models
+    assert default.cudagraphs is None and default.cudagraphs_for(torch.device("cuda", 0))
+    assert not CompileOptions(max_batch_size=1, max_seq_len=8, cudagraphs=False).cudagraphs_for(torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("kw, exc, message", [

@@ -171,6 +171,20 @@ def test_kernel_writes_exactly_the_reference_bytes_and_nothing_else(fmt, gen):
     assert torch.equal(got[~touched], before[~touched]) and not got[: pool.layout.sink_floor].any()
 
 
+@pytest.mark.parametrize("r", [64, 256])  # one scale per row, several
+def test_a_write_whose_lanes_are_all_dead_changes_nothing(r, gen):
+    # the decode runner's steps write every lane with slot -1 once the rows finished: the reference then
+    # quantises zero rows (a [0, S] scale tensor, once refused by the byte view of the scales)
+    fmt = torch.float8_e4m3fn
+    pool, pages = _pool(fmt, r, 16)
+    loc = torch.full((3,), -1, dtype=torch.int64)
+    before = pool.arena.clone()
+    for op in (mw.mla_kv_write_reference, torch.ops.unimem.mla_kv_write):
+        op(pool.arena, pool.v2p, loc, torch.randn(3, r, generator=gen), torch.randn(3, 16, generator=gen),
+           1, L, PS, r, 16, fmt)
+        assert torch.equal(pool.arena, before)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantisation_error_is_within_the_formats_bound_and_zero_tiles_read_zeros(fmt, gen):
     r, dr = 256, 16

@@ -101,8 +101,9 @@ def test_manager_is_an_inductor_pre_grad_pass_for_plain_torch_compile(gen):
 
 
 def test_cudagraphs_are_asked_of_inductor_for_decode_graphs_only(monkeypatch):
-    """compile(cudagraphs=True): the prefill graph is compiled without CUDA graphs, the decode graph with
-    them (Inductor itself is replaced by a recorder here: only the config it is handed matters)."""
+    """compile(cudagraphs=True): the prefill graph is compiled without CUDA graphs, the decode graph of
+    transformers' own loop with them (Inductor itself is replaced by a recorder here: only the config it is
+    handed matters); the decode runner's step never asks for them (it captures the step itself)."""
     import torch._inductor.compile_fx as inductor_entry
 
     import unimem_compile
@@ -119,5 +120,21 @@ def test_cudagraphs_are_asked_of_inductor_for_decode_graphs_only(monkeypatch):
     with pytest.warns(UserWarning, match="cudagraphs=True has no effect on a model on cpu"):
         unimem_compile.compile(model, max_batch_size=2, max_seq_len=32, backend="inductor", cudagraphs=True)
     ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    model.unimem.use_runner = False
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert asked == [False, True]  # prefill, then the one decode graph
+    model.unimem.use_runner = True
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert asked == [False, True, False]  # the runner's step of bucket 2
+
+
+def test_the_mla_attention_rewrites_hash_the_chain_they_share(monkeypatch):
+    from unimem_compile.passes import MLAAbsorb, MLAPrefill, common, mla_expansion
+
+    hashed = []
+    real = common.source_hash
+    monkeypatch.setattr(common, "source_hash", lambda *paths, extra="": hashed.append(paths) or real(*paths, extra=extra))
+    for rewrite in (MLAAbsorb(), MLAPrefill()):
+        rewrite.uuid()
+    assert all(mla_expansion.__file__ in paths for paths in hashed) and len(hashed) == 2
+    assert MLAPrefill(16).uuid() == MLAPrefill(16).uuid() != MLAPrefill(32).uuid()

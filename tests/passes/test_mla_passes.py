@@ -9,13 +9,14 @@ static whatever compiled before (automatic dynamic shapes are remembered per cod
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
 from expecttest import assert_expected_inline
 
 from unimem_compile.inspect_graphs import attention_prefixes, capture, format_layer
-from unimem_compile.passes import MLAAbsorb, MLAWriteFusion, make_pass_manager
+from unimem_compile.passes import MLAAbsorb, MLAPrefill, MLAWriteFusion, make_pass_manager
 from unimem_compile.passes.common import copy_graph, is_function
 
 PROMPT, NEW = 6, 8
@@ -104,7 +105,7 @@ def test_kimi_linear_decode_layer_before_and_after(kimi):
 %34 = %33.copy_(%29)  # f32[2, 4, 14, 32]
 %35 = %32[..., 32:]  # f32[2, 4, 14, 16]
 %36 = %35.copy_(%31)  # f32[2, 4, 14, 16]
-%37 = scaled_dot_product_attention(%2, %32, %30, attn_mask=attention_mask_full_attention, dropout_p=0, scale=0.144338, is_causal=False)  # f32[2, 4, 1, 32]
+%37 = scaled_dot_product_attention(%2, %32, %30, attn_mask=in1, dropout_p=0, scale=0.144338, is_causal=False)  # f32[2, 4, 1, 32]
 %38 = %37.reshape(2, -1, 1, 32)  # f32[2, 4, 1, 32]
 %39 = %38.transpose(1, 2)  # f32[2, 1, 4, 32]
 %40 = %39.contiguous()  # f32[2, 1, 4, 32]
@@ -222,7 +223,7 @@ def test_deepseek_v3_decode_layer_before_and_after(deepseek):
 %69 = %68.copy_(%64)  # f32[2, 4, 14, 32]
 %70 = %67[..., 32:]  # f32[2, 4, 14, 16]
 %71 = %70.copy_(%66)  # f32[2, 4, 14, 16]
-%72 = scaled_dot_product_attention(%59, %67, %65, attn_mask=attention_mask, dropout_p=0, scale=0.144338, is_causal=False)  # f32[2, 4, 1, 32]
+%72 = scaled_dot_product_attention(%59, %67, %65, attn_mask=in3, dropout_p=0, scale=0.144338, is_causal=False)  # f32[2, 4, 1, 32]
 %73 = %72.reshape(2, -1, 1, 32)  # f32[2, 4, 1, 32]
 %74 = %73.transpose(1, 2)  # f32[2, 1, 4, 32]
 %75 = %74.contiguous()  # f32[2, 1, 4, 32]
@@ -298,6 +299,32 @@ def test_deepseek_v3_decode_layer_before_and_after(deepseek):
 %65 = linear(%64, o_proj.weight, None)  # f32[2, 1, 256]""")
 
 
+def test_kimi_linear_prefill_layer_after(kimi):
+    """The prefill graph's attention is one mla_prefill on the pages (its query length is symbolic: one
+    prefill graph serves every length)."""
+    assert_expected_inline(_layer(kimi.records[0].after), """\
+%0 = linear(in0, q_proj.weight, None)  # f32[2, s27, 192]
+%1 = %0.view((2, s27, -1, 48))  # f32[2, s27, 4, 48]
+%2 = %1.transpose(1, 2)  # f32[2, 4, s27, 48]
+%3 = linear(in0, kv_a_proj_with_mqa.weight, None)  # f32[2, s27, 80]
+%4 = split(%3, [64, 16], dim=-1)  # (f32[2, s27, 64], f32[2, s27, 16])
+%5 = %4[0]  # f32[2, s27, 64]
+%6 = %4[1]  # f32[2, s27, 16]
+%7 = %6.view(2, 1, s27, 16)  # f32[2, 1, s27, 16]
+%8 = cache_write_loc.reshape(-1)  # i64[2*s8]
+%9 = mul(2, s27)
+%10 = %7.reshape(%9, 16)  # f32[2*s27, 16]
+%11 = %5.reshape(-1, 64)  # f32[2*s27, 64]
+%12 = unimem.mla_kv_write_rmsnorm(cache_pool_arena, cache_pool_v2p, %8, %11, %10, kv_a_layernorm.weight, 1e-06, 0, 2, 8, 64, 16, torch.float32)
+%13 = unimem.mla_prefill(%2, cache_pool_arena, cache_pool_v2p, cache_buffers_page_table, cache_buffers_kv_len, None, kv_b_proj.weight, 0.144338, 8192, 0, 2, 8, 64, 16, torch.float32)  # f32[2, 4, s27, 32]
+%14 = %13.reshape(2, -1, s27, 32)  # f32[2, 4, s27, 32]
+%15 = %14.transpose(1, 2)  # f32[2, s27, 4, 32]
+%16 = %15.contiguous()  # f32[2, s27, 4, 32]
+%17 = %16.reshape(2, s27, -1)  # f32[2, s27, 128]
+%18 = %17.contiguous()  # f32[2, s27, 128]
+%19 = linear(%18, o_proj.weight, None)  # f32[2, s27, 256]""")
+
+
 # ---------------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("family", ["kimi", "deepseek"])
 def test_greedy_tokens_identical_with_and_without_passes(family, request):
@@ -306,7 +333,7 @@ def test_greedy_tokens_identical_with_and_without_passes(family, request):
     assert on.tokens.shape[1] == PROMPT + NEW
 
 
-MLA_NAMES = ("mla_write_fusion", "mla_absorb")
+MLA_NAMES = ("mla_write_fusion", "mla_absorb", "mla_prefill")
 
 
 def _mla(counts):
@@ -314,13 +341,14 @@ def _mla(counts):
 
 
 @pytest.mark.parametrize("family, layers", [("kimi", 2), ("deepseek", 3)])
-def test_counts_are_one_fusion_per_layer_and_graph_and_one_absorption_per_decode_layer(family, layers, request):
+def test_counts_are_one_fusion_per_layer_and_graph_and_one_attention_rewrite_per_layer(family, layers, request):
     on, off = request.getfixturevalue(family), request.getfixturevalue(family + "_plain")
     assert [_mla(r.counts) for r in on.records] == [
-        {"mla_write_fusion": layers, "mla_absorb": 0},  # prefill: written, not absorbed
-        {"mla_write_fusion": layers, "mla_absorb": layers},
+        {"mla_write_fusion": layers, "mla_absorb": 0, "mla_prefill": layers},  # prefill
+        {"mla_write_fusion": layers, "mla_absorb": layers, "mla_prefill": 0},  # decode
     ]
-    assert _mla(on.model.unimem.rewrites) == {"mla_write_fusion": 2 * layers, "mla_absorb": layers}
+    assert _mla(on.model.unimem.rewrites) == {"mla_write_fusion": 2 * layers, "mla_absorb": layers,
+                                              "mla_prefill": layers}
     assert set(off.model.unimem.rewrites.values()) == {0}
 
 
@@ -339,7 +367,8 @@ def test_eager_attention_form_of_deepseek_is_absorbed_with_stock_tokens_unless_w
     torch._dynamo.reset()
     result = capture("deepseek-v3-tiny", backend="aot_eager", attn_implementation="eager", prompt=PROMPT,
                      new_tokens=NEW)
-    assert _mla(result.decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3}
+    assert _mla(result.decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3, "mla_prefill": 0}
+    assert _mla(result.prefill.counts) == {"mla_write_fusion": 3, "mla_absorb": 0, "mla_prefill": 3}  # eager, too
     stock = build_model("deepseek-v3-tiny", attn_implementation="eager")
     assert torch.equal(result.tokens, _stock_tokens(stock))
 
@@ -369,7 +398,8 @@ def test_deepseek_v2_without_q_lora_is_absorbed_with_stock_tokens():
 
     torch._dynamo.reset()
     result = capture("", model=model(), backend="aot_eager", prompt=PROMPT, new_tokens=NEW)
-    assert _mla(result.decode.counts) == {"mla_write_fusion": 2, "mla_absorb": 2}
+    assert _mla(result.decode.counts) == {"mla_write_fusion": 2, "mla_absorb": 2, "mla_prefill": 0}
+    assert _mla(result.prefill.counts) == {"mla_write_fusion": 2, "mla_absorb": 0, "mla_prefill": 2}
     assert torch.equal(result.tokens, _stock_tokens(model()))
 
 
@@ -381,6 +411,7 @@ def test_absorption_holds_when_dynamo_makes_the_batch_symbolic():
     stock, model = build_model("deepseek-v3-tiny"), build_model("deepseek-v3-tiny")
     torch._dynamo.reset()
     unimem_compile.compile(model, max_batch_size=3, max_seq_len=PROMPT + 4, page_size=8, backend="eager")
+    model.unimem.use_runner = False  # the compiled forward's decode graphs; the runner's steps are static per bucket
     model.unimem.passes.keep_graphs = True
     for batch in (2, 3):
         ids = torch.randint(3, 1000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
@@ -391,7 +422,7 @@ def test_absorption_holds_when_dynamo_makes_the_batch_symbolic():
     decode = model.unimem.passes.records[-1]
     values = [n.meta.get("example_value") for n in decode.after.nodes if n.op == "placeholder"]
     assert any(isinstance(v, torch.SymInt) for v in values)  # the batch is a graph input now
-    assert _mla(decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3}
+    assert _mla(decode.counts) == {"mla_write_fusion": 3, "mla_absorb": 3, "mla_prefill": 0}
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -456,6 +487,56 @@ def test_non_matching_decode_graph_is_unchanged_with_one_log_line(deepseek, edit
     assert line.count(reason) == 3  # every layer named, in one line
 
 
+def _narrower_mask(graph):
+    from unimem_compile.passes.common import insert_call
+
+    for n in _sdpa_nodes(graph):
+        mask = n.kwargs["attn_mask"]
+        with graph.inserting_before(n):
+            narrow = insert_call(graph, operator.getitem, (mask, (slice(None),) * 3 + (slice(None, 13),)), like=n)
+        n.update_kwarg("attn_mask", narrow)
+
+
+def _causal_without_mask(graph):
+    for n in _sdpa_nodes(graph):
+        n.update_kwarg("attn_mask", None)
+        n.update_kwarg("is_causal", True)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (_set_kwarg("dropout_p", 0.1), "attention dropout p=0.1"),
+    (_set_kwarg("is_causal", True), "is_causal=True with a mask"),
+    (_causal_without_mask, "is_causal=True over all of the 14-position history for symbolic queries"),
+    (_narrower_mask, "the attention mask getitem() [2, 1, None, 13] is not [B, 1, symbolic, 14]"),
+    (_biased_kv_b_proj, "kv_b_proj has a bias"),
+    (_quantised_kv_b_proj, "kv_b_proj is not a plain F.linear"),
+], ids=["dropout", "is_causal_with_mask", "is_causal_over_the_whole_history", "narrower_mask", "biased_kv_b_proj",
+        "quantised_kv_b_proj"])
+def test_non_matching_prefill_graph_is_unchanged_with_one_log_line(deepseek, edit, reason, caplog):
+    graph = copy_graph(deepseek.records[0].before)
+    edit(graph)
+    before = _code(graph)
+    with caplog.at_level(logging.INFO, logger=PASS_LOG):
+        count = MLAPrefill()(graph)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
+    assert count == 0 and _code(graph) == before
+    assert line.startswith("mla_prefill: 3 of 3 site(s) left unchanged") and line.count(reason) == 3, line
+
+
+def test_decode_graphs_are_left_to_mla_absorb_and_the_prefill_graph_is_rewritten(deepseek, caplog):
+    with caplog.at_level(logging.INFO, logger=PASS_LOG):
+        assert MLAPrefill()(copy_graph(deepseek.decode.before)) == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
+    assert line.count("decode (query length 1: mla_absorb's)") == 3
+    prefill = copy_graph(deepseek.records[0].before)
+    assert MLAPrefill()(prefill) == 3
+    ops = [str(n.target) for n in prefill.nodes if n.op == "call_function"]
+    assert ops.count("unimem.mla_prefill") == 3 and "unimem.mla_gather" not in ops
+    assert not _sdpa_nodes(prefill)
+    with pytest.raises(ValueError, match="workspace_tokens must be an int >= 1, got 0"):
+        MLAPrefill(workspace_tokens=0)
+
+
 def test_prefill_is_not_absorbed_and_says_so(kimi, caplog):
     prefill = copy_graph(kimi.records[0].before)
     before = _code(prefill)
@@ -463,7 +544,8 @@ def test_prefill_is_not_absorbed_and_says_so(kimi, caplog):
         assert MLAAbsorb()(prefill) == 0
     assert _code(prefill) == before
     (line,) = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
-    assert f"prefill (query length {PROMPT} > 1)" in line and "model.layers.1.self_attn" in line
+    # prefill graphs have a symbolic query length (one graph for every length: hf/step_inputs.py)
+    assert "prefill (symbolic query length)" in line and "model.layers.1.self_attn" in line
 
 
 def test_unpadded_prefill_is_refused_as_prefill_not_as_a_slice(caplog):
@@ -480,7 +562,7 @@ def test_unpadded_prefill_is_refused_as_prefill_not_as_a_slice(caplog):
     with caplog.at_level(logging.INFO, logger=PASS_LOG):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
     lines = [r.getMessage() for r in caplog.records if r.name == PASS_LOG]
-    assert lines and f"model.layers.1.self_attn: prefill (query length {PROMPT} > 1)" in lines[0], lines
+    assert lines and "model.layers.1.self_attn: prefill (symbolic query length)" in lines[0], lines
     assert "getitem" not in lines[0]
 
 

@@ -95,7 +95,8 @@ def test_prefill_hands_kda_chunk_dense_q_k_v_buffers_of_their_own_size(run):
             # a fresh buffer, or one reused under a new size and stride
             (alloc,) = re.findall(rf"\b{name} = (?:empty_strided_cpu\(|reinterpret_tensor\(\w+, )\((.*?)\), \((.*?)\)",
                                   prefill)
-            size, stride = ([int(x) for x in part.split(", ")] for part in alloc)
+            # the token count is symbolic (one prefill graph for every length: hf/step_inputs.py)
+            size, stride = (part.split(", ") for part in alloc)
             batch, tokens = size[:2]
-            assert size == [batch, tokens, heads, dim]
-            assert stride == [tokens * heads * dim, heads * dim, dim, 1]
+            assert size == [batch, tokens, str(heads), str(dim)]
+            assert stride == [f"{heads * dim}*{tokens}", str(heads * dim), str(dim), "1"]

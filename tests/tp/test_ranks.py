@@ -111,8 +111,10 @@ def test_pool_bytes_per_rank_are_as_computed(ranks, name):
 
 def test_rewrites_still_match_on_local_heads(ranks):
     assert ranks[0]["good:kimi-linear-tiny"]["rewrites"] == {"mla_write_fusion": 4, "mla_absorb": 2,
-                                                            "kda_state_inplace": 2, "conv_state_inplace": 2}
+                                                            "kda_state_inplace": 2, "conv_state_inplace": 2,
+                                                            "mla_prefill": 2}
     assert ranks[0]["good:deepseek-v3-tiny"]["rewrites"]["mla_absorb"] == 3
+    assert ranks[0]["good:deepseek-v3-tiny"]["rewrites"]["mla_prefill"] == 3
     assert ranks[0]["good:kimi-linear-tiny"]["local_config"]["linear_num_heads"] == 2
 
 

@@ -202,7 +202,9 @@ class UnifiedCache(Cache):
     """A transformers ``Cache`` over a unimem pool, for one batch of ``batch_size`` rows.
 
     Create it with ``model.unimem.new_cache(batch_size)`` (``generate()`` does this for you). Pages and
-    slots are allocated step by step in :meth:`prepare_step` and returned by :meth:`release`.
+    slots are allocated step by step in :meth:`prepare_step` and returned by :meth:`release`. ``buffers``
+    (a :class:`~unimem_compile.hf.runtime.StepBuffers` of ``batch_size`` rows) replaces the shared step
+    buffers of that batch size: the decode runner's per-bucket caches read buffers only its graphs use.
 
     Raises:
         GeometryError: the batch is larger than ``max_batch_size``; a row would outgrow ``max_seq_len``;
@@ -211,11 +213,11 @@ class UnifiedCache(Cache):
     """
 
     @torch.inference_mode(False)  # tables made under inference_mode must stay writable outside it
-    def __init__(self, handle: UnimemHandle, batch_size: int):
+    def __init__(self, handle: UnimemHandle, batch_size: int, *, buffers=None):
         with handle.generate_lock:  # it reclaims orphans into step buffers a running generate() may share
-            self._init(handle, batch_size)
+            self._init(handle, batch_size, buffers)
 
-    def _init(self, handle: UnimemHandle, batch_size: int) -> None:
+    def _init(self, handle: UnimemHandle, batch_size: int, buffers) -> None:
         if not 0 < batch_size <= handle.max_batch_size:
             raise GeometryError(f"batch size {batch_size} is outside [1, max_batch_size={handle.max_batch_size}]")
         self.handle = handle
@@ -224,7 +226,9 @@ class UnifiedCache(Cache):
         self.num_rows = batch_size
         self.max_seq_len = handle.max_seq_len
         self.page_size = self.pool.layout.page_size
-        self.buffers = handle.step_buffers(batch_size)
+        # the decode runner passes step buffers of its own (the ones its captured graphs read); every other
+        # cache shares its batch size's buffers with the model's other caches of that size
+        self.buffers = handle.step_buffers(batch_size) if buffers is None else buffers
         handle.reclaim_orphans()
         self.page_tables = None
         if self.adapter.kv_spec is not None:
@@ -255,6 +259,11 @@ class UnifiedCache(Cache):
         #: set by generate() before its first step: that step reads the whole mask (a continuing call may
         #: bring pads anywhere); later one-token steps only append ones and skip the read (no host sync)
         self.call_start = False
+        #: set by generate() for a call with prefill_chunk_size: the logical length its prompt ends at (None:
+        #: the prompt is prefilled in one step). Until then a step may bring only the new tokens without a
+        #: mask (transformers drops an all-ones mask), and a row may end a step with only pads (more left pads
+        #: than a chunk)
+        self.chunked_prefill_end: int | None = None
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
         self.undone_steps = 0
@@ -295,52 +304,87 @@ class UnifiedCache(Cache):
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Allocate and lay out this step's tokens. Called eagerly before each forward.
 
+        The step is laid out from the whole sequence so far, ``total`` tokens per row: the mask's length
+        when a mask is given, else ``input_ids``'s. Its last ``total - logical_len`` tokens are new.
+
         Args:
-            input_ids: ``[B, total]``: every token so far (transformers' generate passes the whole
-                sequence; the last ``total - logical_len`` are new).
-            attention_mask: ``[B, total]`` 2-D padding mask or None (no padding).
+            input_ids: ``[B, total]``, every token so far (transformers' generate passes the whole sequence),
+                or ``[B, total - logical_len]``, only the new tokens, with a mask over the whole sequence
+                (transformers' chunked prefill passes each chunk with the mask up to its end, or with no
+                mask when the prompt has no padding: inside a chunked prefill, see
+                :attr:`chunked_prefill_end`, ``input_ids`` without a mask are the new tokens).
+            attention_mask: ``[B, total]`` 2-D padding mask or None (no padding). Left pads only; a row's
+                pads may continue into a later step only while the row has no token yet (a prompt with more
+                pads than a prefill chunk).
+
+        Raises:
+            UnsupportedModel: the cache was released.
+            GeometryError: a batch of another size; no new tokens; ``input_ids`` neither the whole sequence
+                nor the new tokens; more than ``max_seq_len`` tokens; a mask of another shape, with padding
+                that is not left padding, or changing what earlier steps stored; a row of padding only
+                (allowed before the last chunk of a chunked prefill, :attr:`chunked_prefill_end`); a chunk
+                past the prompt's end.
+            PoolExhausted: the pool cannot hold the step's pages or the batch's slots (nothing allocated).
         """
         if self.released:
             why = f" ({self.released_because})" if self.released_because else ""
             raise UnsupportedModel(f"this UnifiedCache was released{why}; create a new one with "
                                    "model.unimem.new_cache()")
-        batch, total = int(input_ids.shape[0]), int(input_ids.shape[1])
+        batch, given = int(input_ids.shape[0]), int(input_ids.shape[1])
         if batch != self.num_rows:
             raise GeometryError(f"this cache holds {self.num_rows} rows, the step has {batch}")
+        if attention_mask is not None and (attention_mask.dim() != 2 or int(attention_mask.shape[0]) != batch
+                                           or int(attention_mask.shape[1]) < given):
+            raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, given]}")
+        chunking = self.chunked_prefill_end is not None and self.logical_len < self.chunked_prefill_end
+        if attention_mask is not None:
+            total = int(attention_mask.shape[1])
+        else:  # a chunk without a mask (no padding) brings only its new tokens
+            total = self.logical_len + given if chunking else given
         new = total - self.logical_len
         if new <= 0:
             raise GeometryError(
                 f"the step brings no new tokens: input_ids has {total} tokens per row and the cache holds "
                 f"{self.logical_len} already; pass the whole sequence so far (the cached tokens, then the new ones), "
                 "not only the new tokens")
+        if given not in (total, new):
+            raise GeometryError(
+                f"input_ids has {given} tokens per row, the attention_mask {total} and the cache holds "
+                f"{self.logical_len}: pass the whole sequence so far ({total} tokens) or only the {new} new ones")
         if total > self.max_seq_len:
             raise GeometryError(
                 f"a row would reach {total} tokens (prompt + generated, pads included), more than "
                 f"max_seq_len={self.max_seq_len}; compile with a larger max_seq_len"
             )
-        if attention_mask is not None and tuple(attention_mask.shape) != (batch, total):
-            raise GeometryError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {[batch, total]}")
+        if chunking and total > self.chunked_prefill_end:
+            raise GeometryError(f"a prefill chunk would end at {total} tokens, past the prompt's "
+                                f"{self.chunked_prefill_end}")
         self.handle.reclaim_orphans()  # memory of caches dropped unreleased goes back before this step allocates
         self._make_resident()
-        # Reading the mask on the host synchronises the GPU, so a one-token step does not: generate() only
-        # ever appends ones to it. The first step and multi-token continuations are checked.
+        # Reading the mask on the host synchronises the GPU, so a one-token decode step does not: generate()
+        # only ever appends ones to it. The first step, multi-token steps and prefill chunks are checked (a
+        # one-token chunk, prefill_chunk_size=1, may be a pad).
         mask = None
-        if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start):
+        if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start or chunking):
             mask = attention_mask.detach().to("cpu", torch.bool)
         self.call_start = False
+        try:
+            pads = self._step_pads(mask, total, pads_only_ok=chunking and total < self.chunked_prefill_end)
+        except GeometryError as e:
+            if self.mask_hint:
+                raise GeometryError(f"{e} ({self.mask_hint})") from None
+            raise
+        if pads is None:  # the pads stay (every decode step): each row grows by `new`, no tensor work
+            lengths = [n + new for n in self.page_tables.lengths] if self.page_tables is not None else []
+        else:
+            lengths = (total - pads.to(torch.int64)).tolist()
         if self.logical_len == 0:
-            try:
-                pads = self._left_pads(mask, batch, total)
-            except GeometryError as e:
-                if self.mask_hint:
-                    raise GeometryError(f"{e} ({self.mask_hint})") from None
-                raise
             def first_allocation():
                 if self.adapter.state_spec is not None:
                     self.slots[:] = self.pool.alloc_slots(batch)
                 if self.page_tables is not None:
                     try:
-                        self._write_locations(new, (total - pads).tolist())
+                        self._write_locations(new, lengths)
                     except Exception:  # the step fails as a whole: give the slots back
                         if self.slots:
                             self.pool.free_slots(self.slots)
@@ -348,26 +392,50 @@ class UnifiedCache(Cache):
                         raise
 
             self._allocate(first_allocation)
-            self._out_offset.copy_(pads.to(torch.int32))
+        elif self.page_tables is not None:
+            self._allocate(lambda: self._write_locations(new, lengths))
+        if pads is not None and (self.logical_len == 0 or not torch.equal(pads, self._out_offset)):
+            self._out_offset.copy_(pads)
             self._upload_rows()
-        else:
-            if mask is not None:
-                # the cached tokens keep the mask of the first step: each row's left pads, then ones
-                expected = torch.arange(total)[None, :] >= self._out_offset.to(torch.int64)[:, None]
-                if not torch.equal(mask, expected):
-                    row = int(torch.nonzero((mask != expected).any(-1))[0])
-                    col = int(torch.nonzero(mask[row] != expected[row])[0])
-                    hint = f" ({self.mask_hint})" if self.mask_hint else ""
-                    raise GeometryError(
-                        f"padding after the first step (right padding or mid-sequence pads) is not supported: row "
-                        f"{row}'s mask is {int(mask[row, col])} at position {col}, where the row has "
-                        f"{int(self._out_offset[row])} left pads and {self.logical_len} cached tokens{hint}")
-            if self.page_tables is not None:
-                lengths = [n + new for n in self.page_tables.lengths]
-                self._allocate(lambda: self._write_locations(new, lengths))
         self.seq_length.fill_(self.logical_len)
         self.logical_len = total
         self.prepared = True
+
+    def _step_pads(self, mask: torch.Tensor | None, total: int, pads_only_ok: bool) -> torch.Tensor | None:
+        """Every row's left pads after this step (int32 ``[B]``), checked against what earlier steps stored;
+        ``pads_only_ok``: a row may still have no token after it (a prefill chunk before the prompt's last).
+
+        A row that holds a token keeps its pads, and its mask must be those pads then ones. A row without a
+        token yet (every position so far a pad) takes its pads from the mask, which must be zeros then ones
+        and may not mark as a token a position an earlier step held as a pad. ``mask`` None: nothing new is
+        known (a step without a mask, or a one-token step whose mask is not read): returns None, the pads
+        stay (zeros on a first step).
+        """
+        if mask is None:
+            return None if self.logical_len else torch.zeros_like(self._out_offset)
+        stored = self.logical_len - self._out_offset.to(torch.int64)  # tokens each row holds so far
+        positions = torch.arange(total)
+        pads = (~mask).cumprod(-1).sum(-1)  # leading zeros of each row
+        expected = positions[None, :] >= torch.where(stored > 0, self._out_offset.to(torch.int64), pads)[:, None]
+        if not torch.equal(mask, expected):
+            row = int(torch.nonzero((mask != expected).any(-1))[0])
+            col = int(torch.nonzero(mask[row] != expected[row])[0])
+            hint = f" ({self.mask_hint})" if self.mask_hint else ""
+            if stored[row] > 0:
+                raise GeometryError(
+                    f"padding after the first step (right padding or mid-sequence pads) is not supported: row "
+                    f"{row}'s mask is {int(mask[row, col])} at position {col}, where the row has "
+                    f"{int(self._out_offset[row])} left pads and {self.logical_len} cached tokens{hint}")
+            raise GeometryError(f"only left padding is supported: row {row} has a pad at position {col}, after "
+                                f"its first token at position {int(pads[row])}")
+        if self.logical_len and bool((pads < self.logical_len).logical_and(stored == 0).any()):
+            row = int(torch.nonzero((pads < self.logical_len) & (stored == 0))[0])
+            raise GeometryError(f"row {row}'s mask marks position {int(pads[row])} as a token, which an earlier "
+                                f"step of this cache held as a left pad")
+        if not pads_only_ok and bool((pads == total).any()):
+            row = int(torch.nonzero(pads == total)[0])
+            raise GeometryError(f"row {row} of the batch consists of padding only ({total} pads)")
+        return pads.to(torch.int32)
 
     def _allocate(self, step) -> None:
         """Run ``step`` (an allocation that raises PoolExhausted having allocated nothing); when the pool is
@@ -384,41 +452,50 @@ class UnifiedCache(Cache):
             # page table and slot ids (resident = None), so upload ours again (a no-op otherwise)
             self._make_resident()
 
-    @staticmethod
-    def _left_pads(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor:
-        if mask is None:
-            return torch.zeros(batch, dtype=torch.int64)
-        pads = (~mask).sum(-1)
-        positions = torch.arange(total)
-        expected = positions[None, :] >= pads[:, None]
-        if not torch.equal(mask, expected):
-            row = int(torch.nonzero((mask != expected).any(-1))[0])
-            first_token = int(torch.nonzero(mask[row])[0])
-            stray = int(torch.nonzero(~mask[row, first_token:])[0]) + first_token
-            raise GeometryError(f"only left padding is supported: row {row} has a pad at position {stray}, after "
-                                f"its first token at position {first_token}")
-        if bool((pads == total).any()):
-            row = int(torch.nonzero(pads == total)[0])
-            raise GeometryError(f"row {row} of the batch consists of padding only ({total} pads)")
-        return pads
-
     def _write_locations(self, new: int, new_lengths: list[int]) -> None:
         pt = self.page_tables
         old = list(pt.lengths)
         pt.grow(range(self.num_rows), new_lengths)
-        if new == 1:
-            # one token per row (a row is never all padding, and later steps add `new` to every row):
-            # located in one vectorised lookup, uploaded asynchronously
+        if new == 1 and all(n - o == 1 for n, o in zip(new_lengths, old)):
+            # one token per row (a decode step): located in one vectorised lookup, uploaded asynchronously
             loc = pt.token_locations(torch.tensor(old, dtype=torch.int64))
+        else:
+            loc = torch.full((self.num_rows, new), -1, dtype=torch.int64)  # pads: -1
+            for b in range(self.num_rows):
+                count = new_lengths[b] - old[b]
+                if count:
+                    loc[b, new - count:] = pt.locations(b, old[b], count)
+        if new == 1:  # the decode graph reads the static decode_loc buffer
             self.buffers.upload_decode_loc(loc.reshape(self.num_rows, 1))
             self.write_loc = self.buffers.decode_loc
             return
-        loc = torch.full((self.num_rows, new), -1, dtype=torch.int64)
-        for b in range(self.num_rows):
-            count = new_lengths[b] - old[b]
-            if count:
-                loc[b, new - count:] = pt.locations(b, old[b], count)
         self.write_loc = loc.to(self.pool.device)
+
+    # ------------------------------------------------------------------ the decode runner's side
+    @property
+    def left_pads(self) -> torch.Tensor:
+        """Each row's left pads (int32 ``[B]``, host; set by the first step): where ``mla_gather`` puts a
+        row's first token. Read it, never write it."""
+        return self._out_offset
+
+    def adopt_device_steps(self, logical_len: int) -> None:
+        """After the decode runner ran steps of this cache on the device: it advanced the rows' lengths
+        there and reported each one through ``page_tables.set_length``; ``logical_len`` is the length the
+        rows reach now, left pads included (the next step's first position).
+
+        The runner's page-table edits also refreshed this cache's copy in the shared step buffers, which
+        another cache of this batch size may hold: nobody's tables are resident there now, so the next
+        step of any cache of this size uploads its own first.
+
+        Raises:
+            GeometryError: ``logical_len`` below the cached length (a row never shrinks).
+        """
+        if logical_len < self.logical_len:
+            raise GeometryError(f"the decode runner reports {logical_len} tokens per row, but this cache holds "
+                                f"{self.logical_len} already")
+        self.logical_len = logical_len
+        self.seq_length.fill_(logical_len)
+        self.buffers.resident = None
 
     # ------------------------------------------------------------------ traced: MLA read/write
     def _mla_update(self, geometry: MLAGeometry, kv_nope: torch.Tensor, k_rot: torch.Tensor):

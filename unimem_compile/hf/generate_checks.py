@@ -15,6 +15,8 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import GeometryError, UnsupportedModel
 from .cache import UnifiedCache
 
@@ -154,6 +156,37 @@ def _cache_kwarg_of(model_class) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+#: The first transformers whose chunked prefill continues from a cache that already holds tokens (5.17-5.20
+#: split the whole input_ids and restart at position 0, feeding the cached tokens again).
+CHUNKED_CONTINUATION_FROM = (5, 21)
+
+
+def _transformers_version() -> tuple[int, ...]:
+    import transformers
+    from packaging.version import Version  # a dependency of transformers
+
+    return Version(transformers.__version__).release[:2]
+
+
+def _check_prefill_chunks(chunk, cache: UnifiedCache | None, mask) -> None:
+    """A ``prefill_chunk_size`` this model can run: a positive int; on transformers before 5.21 not on a cache
+    that holds tokens; no prompt row of padding only (the cache cannot tell it from a row whose pads run
+    into a later chunk, so it is checked here, on the whole mask: one host read of it)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"prefill_chunk_size must be an int >= 1, got {chunk!r}")
+    if cache is not None and cache.logical_len and _transformers_version() < CHUNKED_CONTINUATION_FROM:
+        import transformers
+
+        raise UnsupportedModel(f"prefill_chunk_size with a cache that holds tokens needs transformers >= 5.21: "
+                               f"transformers {transformers.__version__} restarts a chunked prefill at position "
+                               f"0 and would feed the {cache.logical_len} cached tokens again; continue without "
+                               "prefill_chunk_size")
+    if mask is not None:
+        empty = torch.nonzero(~mask.bool().any(-1)).reshape(-1).tolist()
+        if empty:
+            raise GeometryError(f"row {empty[0]} of the batch consists of padding only ({mask.shape[1]} pads)")
+
+
 def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) -> GenerateCall:
     """Check a generate() call on ``model`` (compiled, with ``handle``) and resolve what it asks for.
 
@@ -172,10 +205,12 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
         ValueError: two different caches (``cache=`` and ``past_key_values=``).
         UnsupportedModel: a cache that is not a :class:`UnifiedCache` or belongs to another model; no
             ``input_ids`` (``inputs_embeds``); ``input_ids`` on another device; hidden states or attention
-            maps asked for; beam search; assisted / speculative decoding; ``prefill_chunk_size``;
-            ``use_cache=False``; a model whose parameters were cast since ``compile()``.
+            maps asked for; beam search; assisted / speculative decoding; ``use_cache=False``; a model whose
+            parameters were cast since ``compile()``; ``prefill_chunk_size`` on a cache that holds tokens with
+            transformers < 5.21.
+        ValueError: a ``prefill_chunk_size`` that is not an int >= 1.
         GeometryError: more rows than ``max_batch_size``; a passed cache of another row count; a prompt +
-            new tokens longer than ``max_seq_len``.
+            new tokens longer than ``max_seq_len``; with ``prefill_chunk_size``, a prompt row of padding only.
     """
     kwargs = dict(kwargs)
     # `is None`, not `or`: an empty transformers Cache is falsy (its length is 0)
@@ -214,9 +249,7 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
                                "a UnifiedCache cannot undo; use greedy decoding or sampling")
     chunk = setting("prefill_chunk_size", None)
     if chunk is not None:
-        raise UnsupportedModel(f"prefill_chunk_size={chunk} is not supported by a model compiled by "
-                               "unimem_compile: each step must bring the whole sequence so far (the cache lays "
-                               "the step out from it); leave prefill_chunk_size unset")
+        _check_prefill_chunks(chunk, given, kwargs.get("attention_mask"))
     if setting("use_cache", True) is False:
         raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
                                "decodes from its UnifiedCache")

@@ -10,8 +10,11 @@ patches the model INSTANCE (the class is untouched):
   before every forward and before transformers builds the attention mask;
 * ``model.generate`` checks the call (:func:`~.generate_checks.check_generate_call`), runs transformers'
   generate on the call's cache with ``disable_compile=True`` (transformers must not compile ``__call__``
-  behind our back), lets transformers read the stop flag one step late on a cache it creates (CUDA, 8+
-  rows; ``deferred_stop_check``), and frees that cache's pages and slots when generation returns;
+  behind our back) and the decode runner as its ``custom_generate`` (``handle.runner``, which
+  ``compile()`` attaches and this module calls without importing: the runner layer sits above this one;
+  it decodes the call or hands it back to transformers' ``_sample``), lets transformers read the stop flag
+  one step late on a cache it creates when its own loop runs (CUDA, 8+ rows; ``deferred_stop_check``),
+  and frees that cache's pages and slots when generation returns;
 * ``model.unimem`` is the :class:`UnimemHandle`: the pool, the step buffers every cache of a batch size
   shares, the queue of caches collected without ``release()``, and the lock that serialises generate()
   calls and everything that returns rows.
@@ -23,6 +26,7 @@ and never import this module: the dependency runs one way, runtime -> cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -39,6 +43,7 @@ from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
 from .cache import UnifiedCache
 from .generate_checks import UNSUPPORTED_OUTPUTS, GenerateCall, check_generate_call, check_outputs
+from .step_inputs import prepare_step_inputs
 
 __all__ = ["UnimemHandle", "StepBuffers", "DEFERRED_STOP_MIN_ROWS", "RECOMPILE_LIMIT", "install"]
 
@@ -128,6 +133,12 @@ class UnimemHandle:
         self._model_name = type(model).__name__
         self.generate_lock = threading.RLock()
         self.deferred_stop_check = deferred_stop_check
+        #: the decode runner (``unimem_compile.runner.DecodeRunner``) that ``compile()`` attaches; None: every
+        #: generate() runs transformers' own decode loop
+        self.runner = None
+        #: False: every generate() runs transformers' own decode loop even where the runner could decode it
+        #: (an A/B switch; generate() says so once at INFO level)
+        self.use_runner = True
 
     @property
     def deferred_stop_check(self) -> bool | None:
@@ -233,6 +244,51 @@ class UnimemHandle:
             "free_gap_bytes": s.free_gap_bytes,
         }
 
+    # ------------------------------------------------------------------------------ the decode runner
+    def _need_runner(self):
+        if self.runner is None:
+            raise UnsupportedModel("this model has no decode runner (unimem_compile.compile attaches one)")
+        return self.runner
+
+    @property
+    def steps_ahead(self) -> int:
+        """K: decode steps the runner allocates pages for and replays between two reads of the finished flags
+        (default 8; settable to an int >= 1). Raises UnsupportedModel without a runner."""
+        return self._need_runner().steps_ahead
+
+    @steps_ahead.setter
+    def steps_ahead(self, k: int) -> None:
+        self._need_runner().steps_ahead = k
+
+    def capture(self, buckets=None, sampling=(False,)) -> dict:
+        """Build the decode runner's steps now instead of on first use: for each batch-size bucket in
+        ``buckets`` (default: all) and each ``sampling`` flag (False: greedy calls, True: calls with a sampled
+        row), compile the step and, on a CUDA model with ``cudagraphs``, capture it. Returns
+        :meth:`runner_stats`.
+
+        Raises:
+            GeometryError: a bucket that is not one of this model's; UnsupportedModel: no runner."""
+        return self._need_runner().capture(buckets, sampling)
+
+    def runner_stats(self) -> dict:
+        """The decode runner's steps built so far (per bucket and sampling flag: compile and capture
+        seconds, bytes the graphs hold, steps run) and the memory it holds (``DecodeRunner.stats``)."""
+        return self._need_runner().stats()
+
+    @contextlib.contextmanager
+    def timed_decode(self):
+        """``with model.unimem.timed_decode() as timing: model.generate(...)``: the runner records a
+        :class:`~unimem_compile.runner.DecodeTiming` (events at the end of the prefill and after every block
+        of steps; nothing synchronises) of the calls inside; read it afterwards
+        (``timing.decode_seconds()``, ``timing.decode_steps``). A call that runs transformers' own loop
+        records nothing."""
+        runner = self._need_runner()
+        timing = runner.timing = runner.new_timing()
+        try:
+            yield timing
+        finally:
+            runner.timing = None
+
     def __repr__(self) -> str:
         return f"UnimemHandle({self._model_name}, {self.pool!r}, rewrites={self.rewrites})"
 
@@ -302,6 +358,7 @@ def _forward(model, handle: UnimemHandle, compiled):
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
+        kwargs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
         with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
@@ -342,6 +399,42 @@ def _generate(model, handle: UnimemHandle):
     return generate
 
 
+def _call_arguments(args: tuple, kwargs: dict) -> dict:
+    """A generate() call's arguments by name (transformers' ``GenerationMixin.generate`` signature)."""
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        return inspect.signature(GenerationMixin.generate).bind_partial(None, *args, **kwargs).arguments
+    except TypeError:  # transformers refuses the call itself, with its own message
+        return dict(kwargs)
+
+
+def _with_decode_runner(handle: UnimemHandle, call: GenerateCall) -> dict:
+    """The keywords to call transformers' generate with: the call's, plus the decode runner as its decoding
+    method (``custom_generate``) unless the call brings its own or the runner is off. The runner decides
+    from what transformers prepares whether it decodes the call (see ``unimem_compile.runner.generate``)."""
+    runner = handle.runner
+    if runner is None:
+        return call.kwargs
+    bound = _call_arguments(call.args, call.kwargs)
+    if bound.get("custom_generate") is not None:
+        runner.fallback("the call brings its own custom_generate")
+        return call.kwargs
+    if not handle.use_runner:
+        runner.fallback("model.unimem.use_runner is False")
+        return call.kwargs
+    # decoding modes transformers moved to Hub repos: with a custom_generate given it would skip them, and the
+    # runner's fallback is _sample; without one, transformers does what it always does with them
+    for name, active in (("penalty_alpha", lambda v: v is not None and v > 0),
+                         ("dola_layers", lambda v: v is not None)):
+        if active(call.setting(name)):
+            runner.fallback(f"{name}={call.setting(name)!r} (a decoding mode of its own)")
+            return call.kwargs
+    method = runner.decoding_method(passed=call.passed, streamer=bound.get("streamer"),
+                                    synced_gpus=bound.get("synced_gpus"))
+    return {**call.kwargs, "custom_generate": method}
+
+
 def _run(original_generate, call: GenerateCall):
     """Run transformers' generate for a checked call on its cache; release a cache it created when it returns.
 
@@ -353,10 +446,12 @@ def _run(original_generate, call: GenerateCall):
                        f"pad_token_id={call.inferred_pad_token_id}; pass attention_mask explicitly"
                        if call.inferred_pad_token_id is not None else None)
     cache.call_start = True  # the first step of this call checks the whole mask
+    cache.chunked_prefill_end = call.prompt_len if call.setting("prefill_chunk_size") is not None else None
     before = cache.fingerprint() if call.passed else None
     cache.defer_stop_check = not call.passed and cache.handle.defers_stop_check(call.rows)
+    kwargs = _with_decode_runner(cache.handle, call)
     try:
-        out = original_generate(*call.args, **call.kwargs)
+        out = original_generate(*call.args, **kwargs)
     except BaseException as e:
         if call.passed and cache.fingerprint() != before:
             cache.release(reason=f"generate() raised {type(e).__name__} while using it")

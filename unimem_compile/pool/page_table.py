@@ -121,19 +121,88 @@ class PageTables:
                     f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
                     f"page_size={self.page_size} = {self.max_row_tokens}"
                 )
-        need = self.pages_needed(rows, new_lengths)
+        self._add_pages(rows, new_lengths, in_flight_pages, in_flight_slots)
+        for row, n in zip(rows, new_lengths):
+            self.lengths[row] = n
+        if rows:
+            self._host_len[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(new_lengths, dtype=torch.int32)
+        self.sync()
+
+    def reserve(self, rows: Sequence[int], capacities: Sequence[int], in_flight_pages: Sequence[int] = (),
+                in_flight_slots: Sequence[int] = ()) -> int:
+        """Allocate pages so that each ``rows[i]`` can hold ``capacities[i]`` tokens, without changing the
+        stored lengths (``lengths`` and ``kv_len``); all rows or none. Returns the pages allocated.
+
+        For a writer that advances the lengths on the device (the decode runner, which computes each
+        step's write location from ``kv_len`` and the device page table) and allocates several steps ahead.
+        A capacity the row's pages already hold allocates nothing (capacities never shrink a row).
+
+        Raises:
+            GeometryError: a row out of range or listed twice, ``rows`` and ``capacities`` of different
+                lengths, a capacity above ``max_pages_per_row * page_size``.
+            PoolExhausted: the pages do not fit; no row changed.
+        """
+        rows = [as_int(r, "a row") for r in rows]
+        capacities = [as_int(n, "a row capacity") for n in capacities]
+        if len(rows) != len(capacities):
+            raise GeometryError(f"reserve() got {len(rows)} rows but {len(capacities)} capacities")
+        if len(set(rows)) != len(rows):
+            row = next(r for i, r in enumerate(rows) if r in rows[:i])
+            raise GeometryError(f"row {row} is listed twice in one reserve()")
+        for row, n in zip(rows, capacities):
+            self._check_row(row)
+            if n > self.max_row_tokens:
+                raise GeometryError(
+                    f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
+                    f"page_size={self.page_size} = {self.max_row_tokens}"
+                )
+        fresh = self._add_pages(rows, capacities, in_flight_pages, in_flight_slots)
+        if fresh:
+            self.sync()
+        return fresh
+
+    def set_length(self, row: int, length: int) -> int:
+        """Set ``row``'s stored length to ``length`` tokens (what a device-side writer reports it wrote) and
+        free its pages beyond the ``ceil(length / page_size)`` that hold them; returns the pages freed.
+
+        Raises:
+            GeometryError: a row out of range, or a length below 0 or above what the row's pages hold.
+        """
+        row = self._check_row(row)
+        length = as_int(length, "a row length")
+        pages = self.rows[row]
+        if not 0 <= length <= len(pages) * self.page_size:
+            raise GeometryError(f"row {row}: a length of {length} tokens does not fit its {len(pages)} pages of "
+                                f"{self.page_size} tokens")
+        keep = -(-length // self.page_size)
+        extra = pages[keep:]
+        if extra:
+            self.pool.free_pages(extra)
+            del pages[keep:]
+            self._host_table[row, keep:] = -1
+        self.lengths[row] = length
+        self._host_len[row] = length
+        self.sync()
+        return len(extra)
+
+    @property
+    def host_table(self) -> torch.Tensor:
+        """The host copy of the page table, int32 ``[B, P]`` (-1 = no page); read it, never write it."""
+        return self._host_table
+
+    def _add_pages(self, rows: list[int], capacities: list[int], in_flight_pages, in_flight_slots) -> int:
+        """Allocate the pages ``rows`` need to hold ``capacities`` tokens (all or none) and append them to
+        the rows and the host table; returns how many were allocated."""
+        need = self.pages_needed(rows, capacities)
         fresh = self.pool.alloc_pages(need, in_flight_pages, in_flight_slots) if need else []
         it = iter(fresh)
-        for row, n in zip(rows, new_lengths):
+        for row, n in zip(rows, capacities):
             pages = self.rows[row]
             while len(pages) * self.page_size < n:
                 p = next(it)
                 self._host_table[row, len(pages)] = p
                 pages.append(p)
-            self.lengths[row] = n
-        if rows:
-            self._host_len[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(new_lengths, dtype=torch.int32)
-        self.sync()
+        return len(fresh)
 
     def locations(self, row: int, start: int, count: int) -> torch.Tensor:
         """Virtual token locations (int64 ``[count]``, host) of tokens ``start .. start+count-1`` of ``row``.

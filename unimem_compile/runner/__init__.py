@@ -9,10 +9,14 @@ captured for.
     next_ids = decode_step(logits[:, -1], state.view(n))      # capturable: no host sync
 
 Modules: :mod:`.rows` (RowSettings, RowState), :mod:`.sampling` (process_logits, sample, append_tokens,
-decode_step), :mod:`.rng` (splitmix64 counter-based noise), :mod:`.buckets`.
+decode_step), :mod:`.rng` (Philox counter-based noise), :mod:`.buckets`, :mod:`.settings` (RowSettings from
+the processors and criteria transformers' generate() built), :mod:`.decode` (DecodeRunner: the decode steps
+of a compiled model as replays of captured steps), :mod:`.generate` (the runner as generate()'s decoding
+method).
 """
 
 from .buckets import BUCKET_STEP, bucket_for, bucket_sizes
+from .decode import DEFAULT_STEPS_AHEAD, DecodeRunner, DecodeTiming, StepGraphStats
 from .rng import draw_seeds
 from .rows import (
     DEFAULT_MAX_EOS,
@@ -24,10 +28,16 @@ from .rows import (
     unsupported_settings,
 )
 from .sampling import append_tokens, decode_step, process_logits, sample
+from .settings import PreparedSettings, settings_from_generate
 
 __all__ = [
     "BUCKET_STEP",
     "DEFAULT_MAX_EOS",
+    "DEFAULT_STEPS_AHEAD",
+    "DecodeRunner",
+    "DecodeTiming",
+    "PreparedSettings",
+    "StepGraphStats",
     "GenerationSettingError",
     "Rows",
     "RowSettings",
@@ -40,5 +50,6 @@ __all__ = [
     "draw_seeds",
     "process_logits",
     "sample",
+    "settings_from_generate",
     "unsupported_settings",
 ]

@@ -426,7 +426,8 @@ class RowState:
     Memory: ``max_rows * (V + 8 * max_new_tokens + 8 * E + 66)`` bytes (presence dominates: 64 rows of a
     163,840-token vocabulary are 10 MiB).
 
-    Host API: :meth:`set_rows` / :meth:`set_row` / :meth:`set_row_from_config` (a request joins), :meth:`clear_row` (it leaves),
+    Host API: :meth:`set_rows` / :meth:`set_row` / :meth:`set_row_from_config` (a request joins), :meth:`clear_row` /
+    :meth:`clear_rows` (requests leave),
     :meth:`move_row`, :meth:`settings`, :meth:`any_sampling`, :meth:`generated`. Their device writes are
     enqueued on the current stream without synchronising (pinned staging for the few vectors), so they take
     effect between the steps queued before and after them on that stream: call them from the thread that
@@ -573,6 +574,18 @@ class RowState:
         """
         row = self._row(row)
         self._clear(slice(row, row + 1))
+
+    def clear_rows(self, start: int, stop: int) -> None:
+        """:meth:`clear_row` for every row in ``[start, stop)``, in a few fills (an empty range is a no-op).
+
+        Raises:
+            IndexError: ``0 <= start <= stop <= max_rows`` does not hold.
+        """
+        start, stop = as_int(start, "start"), as_int(stop, "stop")
+        if not 0 <= start <= stop <= self.max_rows:
+            raise IndexError(f"rows [{start}, {stop}) are outside the {self.max_rows} rows of this RowState")
+        if start < stop:
+            self._clear(slice(start, stop))
 
     def move_row(self, src: int, dst: int) -> None:
         """Move row ``src``'s request (settings, count, presence, output, flags) to row ``dst`` and clear

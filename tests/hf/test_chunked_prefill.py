@@ -1,0 +1,229 @@
+"""Chunked prefill (``generate(prefill_chunk_size=...)``) through the ``mla_prefill`` rewrite, against stock
+transformers (fp32, CPU, ``aot_eager``).
+
+Greedy tokens must equal stock transformers' unchunked generate for prompts prefilled in one, two and many
+chunks (a one-token last chunk included), ragged left-padded rows whose pads outlast a chunk, histories that
+end mid-page and unpadded rows (transformers' mask-free causal first chunk); a continued conversation must
+equal stock's continuation; teacher-forced logits of every real position must be close to a stock forward
+over the whole sequence. Every prefill graph is rewritten (one ``mla_prefill`` per MLA layer, no gather of
+``max_seq_len`` positions left), one graph serves every chunk length, and the op's pieces follow the tokens
+present, bounded by its workspace (16 tokens here, so every prefill merges several pieces).
+
+Compiles dominate the cost: every test uses batches of 3 rows (a new batch size is a new graph) and the
+unpadded case (two more graphs) runs for DeepSeek-V3 only.
+"""
+
+import math
+
+import pytest
+import torch
+
+import unimem_compile
+from unimem_compile.errors import GeometryError, UnsupportedModel
+from unimem_compile.hf.generate_checks import _cache_kwarg
+from unimem_compile.hf.models import build_model
+from unimem_compile.passes.manager import is_decode_graph
+
+from ..prompts import chunked_logits, generate_positions, left_padded
+
+FAMILIES = {"kimi-linear-tiny": 2, "deepseek-v3-tiny": 3}  # family -> MLA layers
+MAX_SEQ, PAGE, NEW, WORKSPACE = 96, 16, 6, 16
+# fp32 teacher-forced logits: chunking changes only the summation order (the pieces' log-sum-exp merge,
+# the KDA chunk boundaries); measured max |diff| about 2e-6 on logits of magnitude ~1
+LOGIT_TOL = 1e-4
+
+
+# aot_eager that keeps every ATen graph it runs: what the inner backend really executes after AOT autograd
+AOT_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@torch._dynamo.register_backend(name="unimem_test_aot_eager_recording")
+def _aot_eager_recording(gm, example_inputs, **kwargs):
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def record(graph, inputs):
+        AOT_GRAPHS.append(graph)
+        return boxed_nop(graph, inputs)
+
+    return aot_eager(gm, example_inputs, fw_compiler=record, **kwargs)
+
+
+def greedy(model, ids, mask, new=NEW, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              **kw)
+
+
+def prompts(lengths, seed):
+    return left_padded(lengths, torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request):
+    """(stock model, unimem-compiled model with the same weights, MLA layer count); graphs are kept."""
+    torch._dynamo.reset()
+    AOT_GRAPHS.clear()
+    stock, model = build_model(request.param), build_model(request.param)
+    unimem_compile.compile(model, max_batch_size=3, max_seq_len=MAX_SEQ, page_size=PAGE,
+                           backend="unimem_test_aot_eager_recording")
+    model.unimem.passes.keep_graphs = True
+    (rewrite,) = [r for r in model.unimem.passes.rewrites if r.name == "mla_prefill"]
+    rewrite.workspace_tokens = WORKSPACE  # before the first compile: it is a constant of the graphs
+    return stock, model, FAMILIES[request.param]
+
+
+# lengths 37 / 21 end mid-page (page 16); row 1's 16 pads outlast 6-token chunks; 37 = 6 * 6 + 1 ends in a
+# one-token chunk (the decode graph)
+CASES = {
+    "one_chunk": ([37, 21, 30], 64),
+    "two_chunks": ([37, 21, 30], 20),
+    "many_chunks_pads_outlasting_a_chunk": ([37, 21, 30], 6),
+    "unpadded_two_chunks": ([29, 29, 29], 16),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_stock_generate(pair, case):
+    stock, model, layers = pair
+    if case.startswith("unpadded") and layers != FAMILIES["deepseek-v3-tiny"]:
+        pytest.skip("two more graphs per family; the attention path is the same in both (sdpa_attention.py)")
+    lengths, chunk = CASES[case]
+    ids, mask = prompts(lengths, seed=len(case))
+    want = greedy(stock, ids, mask)
+    got = greedy(model, ids, mask, prefill_chunk_size=chunk)
+    assert torch.equal(got, want)
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def test_every_prefill_graph_is_rewritten_and_decode_graphs_absorbed(pair):
+    _, model, layers = pair
+    ids, mask = prompts([23, 30, 4], seed=3)
+    greedy(model, ids, mask, prefill_chunk_size=9)  # compiles nothing new after the tests above
+    records = model.unimem.passes.records
+    assert records
+    for r in records:
+        decode = is_decode_graph(r.before)
+        assert (r.counts["mla_prefill"], r.counts["mla_absorb"]) == ((0, layers) if decode else (layers, 0))
+        ops = [str(n.target) for n in r.after.nodes if n.op == "call_function"]
+        assert "unimem.mla_gather" not in ops  # no history of max_seq_len positions is gathered any more
+
+
+def test_what_runs_gathers_no_max_seq_len_history_and_reads_no_mask(pair):
+    """In the ATen graphs AOT autograd hands the inner compiler: no ``mla_gather`` at all, one ``mla_prefill``
+    per MLA layer in each prefill graph, and transformers' 4-D boolean masks (``[B, 1, T, max_seq_len]``) are
+    inputs that nothing reads."""
+    _, model, layers = pair
+    ids, mask = prompts([23, 30, 4], seed=3)
+    greedy(model, ids, mask, prefill_chunk_size=9)
+    assert AOT_GRAPHS
+    prefills = masked = 0
+    for graph in AOT_GRAPHS:
+        targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+        assert not any("mla_gather" in t for t in targets)
+        prefills += targets.count("unimem.mla_prefill.default") == layers
+        masks = [n for n in graph.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                 and n.meta["val"].dim() == 4 and n.meta["val"].dtype == torch.bool]
+        assert all(not n.users for n in masks)  # (a first chunk without padding has no mask at all)
+        masked += bool(masks)
+    assert prefills >= 1 and masked >= 1
+
+
+def test_one_graph_serves_every_chunk_length_and_prompt_length(pair):
+    _, model, _ = pair
+    ids, mask = prompts([40, 27, 33], seed=5)
+    greedy(model, ids, mask, prefill_chunk_size=16)  # compiles the padded prefill and the decode graph if new
+    graphs = model.unimem.passes.graphs
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    for lengths, chunk in (([55, 12, 30], 30), ([9, 44, 20], None), ([21, 20, 3], 2)):
+        ids, mask = prompts(lengths, seed=len(lengths) + lengths[0])
+        greedy(model, ids, mask, new=2, prefill_chunk_size=chunk)
+    assert model.unimem.passes.graphs == graphs
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
+
+
+def test_teacher_forced_logits_match_a_stock_forward_over_the_whole_sequence(pair):
+    stock, model, _ = pair
+    chunk = 12  # 34 = 12 + 12 + 10: no one-token chunk (a graph of its own with every position's logits)
+    ids, mask = prompts([34, 19, 28], seed=chunk)
+    with torch.no_grad():
+        want = stock(ids, attention_mask=mask, position_ids=generate_positions(mask)).logits
+    got = chunked_logits(model, ids, mask, chunk)
+    real = mask.bool()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[real], want[real], atol=LOGIT_TOL, rtol=0)
+
+
+def test_a_continued_conversation_in_chunks_equals_stock(pair):
+    from transformers import DynamicCache
+
+    stock, model, _ = pair
+    key = _cache_kwarg(stock)
+    ids, mask = prompts([14, 9, 12], seed=21)
+    extra = torch.randint(3, 1024, (3, 13), generator=torch.Generator().manual_seed(22))
+
+    def turns(m, cache, **kw):
+        first = m.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **{key: cache})
+        grown = torch.cat([mask, torch.ones(3, first.shape[1] - ids.shape[1] + extra.shape[1], dtype=mask.dtype)], 1)
+        second = m.generate(torch.cat([first, extra], 1), attention_mask=grown, max_new_tokens=4, do_sample=False,
+                            **{key: cache}, **kw)
+        return first, second
+
+    with torch.no_grad():
+        want = turns(stock, DynamicCache(config=stock.config))
+        cache = model.unimem.new_cache(3)
+        try:
+            got = turns(model, cache, prefill_chunk_size=5)
+        finally:
+            cache.release()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_prefill_pieces_follow_the_tokens_present_and_the_workspace(pair, monkeypatch):
+    """Every MLA layer's prefill runs in ceil(stored / 16) pieces of the rows' stored tokens (never of
+    max_seq_len positions), the workspace the fixture set."""
+    from unimem_compile.ops import mla_prefill as mp
+
+    stock, model, layers = pair
+    plans = []
+    plan = mp.mla_prefill_plan
+
+    def recording_plan(kv_len_host, max_tokens, workspace_tokens):
+        result = plan(kv_len_host, max_tokens, workspace_tokens)
+        plans.append((result, max_tokens, workspace_tokens))
+        return result
+
+    monkeypatch.setattr(mp, "mla_prefill_plan", recording_plan)
+    ids, mask = prompts([45, 30, 12], seed=8)
+    got = greedy(model, ids, mask, new=2, prefill_chunk_size=20)
+    assert torch.equal(got, greedy(stock, ids, mask, new=2))
+    # three chunks of 20, 20 and 5 positions; rows stored after each (15 and 33 pads)
+    stored = [[20, 5, 0], [40, 25, 7], [45, 30, 12]]
+    assert [p[0][0] for p in plans] == [n for n in stored for _ in range(layers)]
+    for (lengths, total, pieces), max_tokens, workspace in plans:
+        assert workspace == WORKSPACE and max_tokens == math.ceil(MAX_SEQ / PAGE) * PAGE
+        assert total == sum(lengths) and pieces == math.ceil(total / WORKSPACE)
+    assert max(p[0][2] for p in plans) == 6  # 87 stored tokens: 6 pieces, not ceil(3 * 96 / 16) = 18
+
+
+def test_chunk_sizes_and_continuations_transformers_cannot_chunk_are_refused(pair, monkeypatch):
+    from unimem_compile.hf import generate_checks
+
+    _, model, _ = pair
+    ids, mask = prompts([8, 6, 7], seed=30)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"prefill_chunk_size must be an int >= 1, got {bad!r}"):
+            greedy(model, ids, mask, prefill_chunk_size=bad)
+    empty = mask.clone()
+    empty[1] = 0
+    with pytest.raises(GeometryError, match=r"row 1 of the batch consists of padding only \(8 pads\)"):
+        greedy(model, ids, empty, prefill_chunk_size=3)
+    cache = model.unimem.new_cache(3)
+    try:
+        first = greedy(model, ids, mask, new=2, **{_cache_kwarg(model): cache})
+        monkeypatch.setattr(generate_checks, "_transformers_version", lambda: (5, 20))
+        with pytest.raises(UnsupportedModel, match=r"needs transformers >= 5.21.*feed the 9 cached tokens again"):
+            greedy(model, first, torch.ones_like(first), new=2, prefill_chunk_size=4, **{_cache_kwarg(model): cache})
+        assert not cache.released
+    finally:
+        cache.release()
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
