@@ -12,7 +12,13 @@ Systems, each on a model of its own with the same seeded random weights (bf16 on
 * ``handloop`` (d): no generate(): the loop a user writes in thirty lines (gpt-fast style; PERF.md's
   strongest decode anchor): stock transformers with its ``StaticCache``, the prefill eager, then
   forward(one token) + argmax compiled with Inductor and captured by hand in one ``torch.cuda.CUDAGraph``,
-  replayed once per step (on the CPU the compiled step is called, uncaptured).
+  replayed once per step (on the CPU the compiled step is called, uncaptured);
+* ``unimem_fp8`` (e), with ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``): (c) with ``kv_dtype=`` that fp8
+  format (scaled fp8 rows, 656 instead of 1152 bytes per token and MLA layer; the pool is sized for them).
+  ``--kv-dtype`` runs (c) and (e) side by side at batch 32, prompt 4096 unless ``--systems`` / ``--configs``
+  say otherwise; its bundle is the run of record ``generate_fp8_<date>.json`` (docs/design.md section 8:
+  ``generate_<date>.json`` holds bf16 runs only), with the ratios (e)/(c) of decode tokens/s, prefill time
+  and peak memory.
 
 Models: ``kimi-linear-48b-4l`` (the real Kimi-Linear-48B per-layer geometry, 3 KDA + 1 MLA, 8-expert MoE)
 at batch 1, 8, 32 and prompt 512, 4096, plus ``kimi-linear-48b-8l`` (KDA, KDA, KDA, MLA x 2) at batch 32,
@@ -24,15 +30,15 @@ rotates by one each round), so slow drifts of the machine hit every system alike
 logits processor that records a CUDA event at every step (nothing extra syncs): prefill = start to the
 first step's logits, decode = first to last step's logits (``new - 1`` steps); (c) the decode runner's own
 clock (``model.unimem.timed_decode()``: events at the end of the prefill and after every block of replayed
-steps; a logits processor would send the call to transformers' loop); (d) events after its first token and
-after its last replay. Per system the median over the rounds; each ratio (of decode tokens/s, prefill time,
-peak memory) is the median of the per-round ratios. Decode tokens/s = batch x (new - 1) / decode time
-(PERF.md). Peak memory = the bytes the system holds once warm (weights, pool or cache, graphs' live
+steps; a logits processor would send the call to transformers' loop), (e) likewise; (d) events after its
+first token and after its last replay. Per system the median over the rounds; each ratio (of decode
+tokens/s, prefill time, peak memory) is the median of the per-round ratios. Decode tokens/s = batch x
+(new - 1) / decode time (PERF.md). Peak memory = the bytes the system holds once warm (weights, pool or cache, graphs' live
 tensors: ``memory_allocated`` before and after its build) + the most its timed runs add
 (``max_memory_allocated`` over a run minus the allocated bytes at its start). Achieved bandwidth =
 ``demo.decode_step_bytes`` (every weight once, the latent KV of the mean context, each state read and
 written) / the median decode step time, beside the device copy bandwidth measured in the same run.
-``--profile`` adds, for (c) on CUDA, one generate under ``torch.profiler``: the GPU kernel time of a decode
+``--profile`` adds, for (c) (and (e)) on CUDA, one generate under ``torch.profiler``: the GPU kernel time of a decode
 step (the kernels its graph replays launch) beside its wall time (``profile``: ``wall_ms_per_step``,
 ``kernel_ms_per_step``, ``busy_ms_per_step`` (kernels' union), ``wall_over_kernel``).
 
@@ -45,6 +51,7 @@ compact table of everything in ``--out`` ends the run.
 
 GPU:   source benchmarks/device_env.sh && python3 -P benchmarks/bench_generate.py --out /tmp/gen --deadline-s 470 \
            --bundle "$OUT/generate.json" [--resume-from benchmarks/results/generate_<date>.json] [--profile]
+fp8:   python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 --bundle "$OUT/generate_fp8.json"
 CPU:   python benchmarks/bench_generate.py --device cpu --smoke --out /tmp/gen      (tiny model, ~1 min)
 """
 
@@ -70,7 +77,12 @@ import torch
 from unimem_compile.demo import StepClock
 
 SYSTEMS = ("eager", "static", "unimem", "handloop")
-LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem", "handloop": "(d) hand loop"}
+#: (c) with fp8 KV (``--kv-dtype``); not one of SYSTEMS: bf16 bundles keep the systems of docs/design.md section 8
+FP8_SYSTEM = "unimem_fp8"
+LABELS = {"eager": "(a) eager", "static": "(b) static+compile", "unimem": "(c) unimem", "handloop": "(d) hand loop",
+          FP8_SYSTEM: "(e) unimem fp8 KV"}
+#: the configuration ``--kv-dtype`` runs by default (the issue's: batch 32, prompt 4096)
+FP8_CONFIGS = ["kimi-linear-48b-4l_b32_p4096"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +113,8 @@ SMOKE_CONFIGS = [Config("kimi-linear-tiny", 2, 24), Config("kimi-linear-tiny", 1
 #: Measured on an H200 on 2026-11-29 at kimi-linear-48b-4l, batch 32, prompt 512 (eager 11 s, static 23 s;
 #: unimem's compile 40 s in the demo), with headroom; the runner's per-bucket step compile and the hand loop's
 #: compile are estimates (not measured yet)
-PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 90.0, "handloop": 45.0},
-           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 30.0, "handloop": 10.0}}
+PRIOR_S = {"cuda": {"eager": 20.0, "static": 45.0, "unimem": 90.0, "handloop": 45.0, FP8_SYSTEM: 90.0},
+           "cpu": {"eager": 5.0, "static": 20.0, "unimem": 30.0, "handloop": 10.0, FP8_SYSTEM: 30.0}}
 #: seconds per timed generate beyond the first, per system (the rounds after the warm-up)
 ROUND_S = {"cuda": 2.0, "cpu": 2.0}
 #: flash-linear-attention autotunes its KDA kernels on their first call (about 90 s on an H200)
@@ -321,12 +333,16 @@ class Session:
                 self.kwargs["compile_config"] = config
             self.record["compile"] = "transformers auto-compile of the decode step (" + (
                 "inductor, mode=reduce-overhead: CUDA graphs)" if cuda else "backend=eager on the CPU)")
-        elif system == "unimem":
+        elif system in ("unimem", FP8_SYSTEM):
             deferred = {"auto": None, "on": True, "off": False}[args.deferred_stop] if cuda else None
+            fp8 = {"kv_dtype": args.kv_dtype} if system == FP8_SYSTEM else {}
             unimem_compile.compile(model, max_batch_size=cfg.batch, max_seq_len=cfg.prompt + new, memory_budget=None,
-                                   backend=args.backend, passes=True, deferred_stop_check=deferred)
+                                   backend=args.backend, passes=True, deferred_stop_check=deferred, **fp8)
             self.record["compile"] = (f"unimem_compile.compile(backend={args.backend!r}, cudagraphs=None (on for "
-                                      f"CUDA), passes=True, deferred_stop_check={deferred})")
+                                      f"CUDA), passes=True, deferred_stop_check={deferred}"
+                                      + "".join(f", {k}={v!r}" for k, v in fp8.items()) + ")")
+            if fp8:
+                self.adapter = model.unimem.adapter  # its KV spec has the rows' dtype: the step bytes count fp8 rows
         elif system == "handloop":
             self.hand = HandLoop(model, cfg.batch, cfg.prompt, new, device,
                                  "inductor" if cuda else args.backend)
@@ -353,7 +369,7 @@ class Session:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.hand is not None:
             out, prefill, decode, steps = self.hand.generate(self.ids)
-        elif self.system == "unimem":
+        elif self.system in ("unimem", FP8_SYSTEM):
             out, prefill, decode, steps = self._timed_unimem()
         else:
             clock = StepClock(self.device)
@@ -403,12 +419,15 @@ class Session:
         if reference is not None:
             record["new_tokens_equal_to_eager"] = float(
                 (self.out[:, cfg.prompt:] == reference[:, cfg.prompt:]).float().mean())
-        if self.system == "unimem":
+        if self.system in ("unimem", FP8_SYSTEM):
             record["pool"] = self.model.unimem.stats()
             record["rewrites"] = self.model.unimem.rewrites
             record["runner"] = self.model.unimem.runner_stats()
             if self.args.profile:
                 record["profile"] = self.profile(record["ms_per_step"])
+        if self.system == FP8_SYSTEM:
+            spec = self.adapter.kv_spec
+            record["kv_dtype"] = str(spec.dtype).replace("torch.", "") if spec else None
         return record
 
     def profile(self, wall_ms_per_step: float) -> dict:
@@ -479,30 +498,31 @@ _RATIO_KEYS = ("decode_tokens_per_s", "prefill_ms", "peak_memory_bytes")
 
 
 def ratios(systems: dict) -> dict:
-    """(c)/(a), (c)/(b) and (c)/(d) of decode tokens/s, prefill time and peak memory, where both are
-    recorded: the median of the per-round ratios when both systems ran in the same rounds, else the ratio
-    of their medians. ``_rounds`` lists which ratios are per-round medians."""
+    """(c)/(a), (c)/(b), (c)/(d) and (e)/(c) of decode tokens/s, prefill time and peak memory, where both
+    are recorded: the median of the per-round ratios when both systems ran in the same rounds, else the
+    ratio of their medians. ``_rounds`` lists which ratios are per-round medians."""
     out, rounds = {}, []
-    c = systems.get("unimem", {})
-    for other in ("eager", "static", "handloop"):
-        o = systems.get(other, {})
-        for key in _RATIO_KEYS:
-            if not (c.get(key) and o.get(key)):
-                continue
-            name = f"{key}_unimem/{other}"
-            pairs = list(zip(c.get("runs", []), o.get("runs", [])))
-            if key != "peak_memory_bytes" and c.get("session") is not None and c.get("session") == o.get("session") \
-                    and pairs:
-                per_round = []
-                for rc, ro in pairs:
-                    if key == "prefill_ms":
-                        per_round.append(rc["prefill_ms"] / ro["prefill_ms"])
-                    else:  # tokens/s: the inverse ratio of decode times (same steps and batch)
-                        per_round.append(ro["decode_ms"] / rc["decode_ms"])
-                out[name] = statistics.median(per_round)
-                rounds.append(name)
-            else:
-                out[name] = c[key] / o[key]
+    for mine, others in (("unimem", ("eager", "static", "handloop")), (FP8_SYSTEM, ("unimem",))):
+        c = systems.get(mine, {})
+        for other in others:
+            o = systems.get(other, {})
+            for key in _RATIO_KEYS:
+                if not (c.get(key) and o.get(key)):
+                    continue
+                name = f"{key}_{mine}/{other}"
+                pairs = list(zip(c.get("runs", []), o.get("runs", [])))
+                if key != "peak_memory_bytes" and c.get("session") is not None \
+                        and c.get("session") == o.get("session") and pairs:
+                    per_round = []
+                    for rc, ro in pairs:
+                        if key == "prefill_ms":
+                            per_round.append(rc["prefill_ms"] / ro["prefill_ms"])
+                        else:  # tokens/s: the inverse ratio of decode times (same steps and batch)
+                            per_round.append(ro["decode_ms"] / rc["decode_ms"])
+                    out[name] = statistics.median(per_round)
+                    rounds.append(name)
+                else:
+                    out[name] = c[key] / o[key]
     out["_rounds"] = rounds
     return out
 
@@ -513,10 +533,11 @@ def run(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     start = time.perf_counter()
     configs = SMOKE_CONFIGS if args.smoke else CONFIGS
-    if args.configs:
-        patterns = args.configs.split(",")
+    patterns = args.configs.split(",") if args.configs else (FP8_CONFIGS if args.kv_dtype and not args.smoke else None)
+    if patterns:
         configs = [c for c in configs if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    systems = [s for s in SYSTEMS + (FP8_SYSTEM,) if s in args.systems.split(",")]
+    expected = ("unimem", FP8_SYSTEM) if args.kv_dtype else SYSTEMS
     if args.resume_from:
         seed_from_bundle(args.resume_from, args.out)
     env = environment(device)
@@ -597,7 +618,7 @@ def run(args) -> int:
         sessions.clear()
         _free(device)
         rec["ratios"] = ratios(rec["systems"])
-        rec["complete"] = all(s in rec["systems"] for s in SYSTEMS)
+        rec["complete"] = all(s in rec["systems"] for s in expected)
         _save(path, rec)
     if stopped:
         log(stopped)
@@ -614,7 +635,7 @@ def run(args) -> int:
 def run_conditions(args) -> dict:
     """What a record's measurements depend on beyond its configuration: a resumed run must match them."""
     return {"new_tokens": args.new_tokens, "dtype": args.dtype, "seed": args.seed, "backend": args.backend,
-            "deferred_stop": args.deferred_stop}
+            "deferred_stop": args.deferred_stop, "kv_dtype": args.kv_dtype}
 
 
 def _num(value, fmt: str, width: int) -> str:
@@ -640,7 +661,7 @@ def seed_from_bundle(path: str, out_dir: str) -> None:
 
 def format_table(out_dir: str, configs: list[Config]) -> str:
     """The compact table of every recorded configuration of ``configs`` in ``out_dir`` (ratios of decode
-    tokens/s of (c) over (a), (b) and (d))."""
+    tokens/s of (c) over (a), (b) and (d); of (e) over (c) on its own row)."""
     head = (f"{'config':<30}{'system':<20}{'prefill ms':>11}{'decode tok/s':>13}{'ms/step':>9}{'peak GiB':>9}"
             f"{'GB/s':>8}{'c/a':>7}{'c/b':>7}{'c/d':>7}")
     lines = [head, "-" * len(head)]
@@ -649,7 +670,7 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
         if not rec:
             continue
         r = rec.get("ratios", {})
-        for system in SYSTEMS:
+        for system in SYSTEMS + (FP8_SYSTEM,):
             s = rec["systems"].get(system)
             if s is None:
                 continue
@@ -662,6 +683,9 @@ def format_table(out_dir: str, configs: list[Config]) -> str:
                 tail = "".join(f"{r[k]:>7.2f}" if k in r else f"{'-':>7}"
                                for k in ("decode_tokens_per_s_unimem/eager", "decode_tokens_per_s_unimem/static",
                                          "decode_tokens_per_s_unimem/handloop"))
+            elif system == FP8_SYSTEM:
+                key = f"decode_tokens_per_s_{FP8_SYSTEM}/unimem"
+                tail = f"   e/c {r[key]:.2f}" if key in r else ""
             lines.append(f"{cfg.name:<30}{LABELS[system]:<20}{_num(s.get('prefill_ms'), '.1f', 11)}"
                          f"{_num(s.get('decode_tokens_per_s'), '.1f', 13)}{_num(s.get('ms_per_step'), '.2f', 9)}"
                          f"{_num(peak / 2**30 if peak else None, '.2f', 9)}"
@@ -684,7 +708,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (a CPU check of the whole path)")
     p.add_argument("--configs", default=None, help="comma-separated globs over names like kimi-linear-48b-4l_b32_p512")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=None,
+                   help="subset of " + ",".join(SYSTEMS) + f" (default all) and, with --kv-dtype, {FP8_SYSTEM} "
+                        f"(default with --kv-dtype: unimem,{FP8_SYSTEM})")
+    p.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
+                   help=f"run (e) {FP8_SYSTEM} with this KV dtype beside (c); default configuration "
+                        f"{FP8_CONFIGS[0]} (the bundle is generate_fp8_<date>.json)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop before a configuration that would end past this")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (4 with --smoke)")
@@ -710,9 +739,13 @@ def main(argv=None) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"bench_generate: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS))
+    if args.systems is None:
+        args.systems = f"unimem,{FP8_SYSTEM}" if args.kv_dtype else ",".join(SYSTEMS)
+    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS) - ({FP8_SYSTEM} if args.kv_dtype else set()))
     if unknown:
-        print(f"bench_generate: unknown --systems {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
+        choices = list(SYSTEMS) + ([FP8_SYSTEM] if args.kv_dtype else [])
+        hint = f" ({FP8_SYSTEM} needs --kv-dtype)" if FP8_SYSTEM in unknown else ""
+        print(f"bench_generate: unknown --systems {unknown}; choose from {choices}{hint}", file=sys.stderr)
         return 2
     args.new_tokens = args.new_tokens if args.new_tokens is not None else (4 if args.smoke else 64)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 3)

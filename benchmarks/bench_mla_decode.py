@@ -11,9 +11,23 @@ dispatch included, what an uncaptured model pays) is reported beside it.
 
 The stage-1 kernel is the op's default for the device (on an sm_90 GPU the Hopper TMA + wgmma kernel of
 ops/mla_decode_hopper.py, else the portable Triton kernel); ``--kernel portable`` times the portable one
-there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one ran.
+there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one ran, and the CUDA kernels
+one call launches.
 
-usage: python benchmarks/bench_mla_decode.py [--out results.json] [--quick] [--kernel auto|portable|wgmma]
+``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``) times the same grid on scaled fp8 rows (656 bytes per token:
+ops/fp8.py), the bytes counted with the fp8 row; until the split kernels read fp8 rows the op runs its
+plain-torch path there (``kernels_per_call`` shows it), so run it with ``--quick`` before that lands.
+
+``--l2-ceiling`` measures the bf16 kernel's compute ceiling instead: contexts whose latent rows (16384
+tokens, 18.9 MB) stay in the H200's 50 MB L2, timed back to back without flushing (``graph_ms_hot``), and
+the achieved TFLOP/s, counting ``2 * H * (R + Dr) + 2 * H * R`` FLOPs per (row, token): what a faster fp8
+kernel must reach while dequantising (issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s).
+
+``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2].json`` in it, the
+names of record (docs/design.md section 8).
+
+usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
+           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling]
 """
 
 from __future__ import annotations
@@ -31,8 +45,11 @@ import triton
 import triton.language as tl
 
 from unimem_compile import env
+from unimem_compile.ops import fp8
 from unimem_compile.ops import mla_decode as md
 from unimem_compile.ops import mla_decode_hopper
+from unimem_compile.options import kv_dtype_of
+from unimem_compile.pool.specs import MLARowFormat
 
 H, R, DR, L, LAYER = 32, 512, 64, 7, 3
 D = R + DR
@@ -81,24 +98,39 @@ class SameSizeRead:
         return n * 4 / ms / 1e9
 
 
-def effective_bytes(batch: int, context: int) -> int:
-    return batch * context * D * 2 + batch * H * (D + R) * 2
+def effective_bytes(batch: int, context: int, row_bytes: int = D * 2) -> int:
+    return batch * context * row_bytes + batch * H * (D + R) * 2
+
+
+def flops_per_token() -> int:
+    """FLOPs of one (row, token): scores ``2 * H * (R + Dr)`` plus the value sum ``2 * H * R``."""
+    return 2 * H * (R + DR) + 2 * H * R
 
 
 class Setup:
-    """An arena holding ``max_tokens`` tokens of a 7-layer page envelope, random bf16 rows (never zeros),
-    and a random permutation of physical pages behind the virtual ones (page 0 is the sink)."""
+    """An arena holding ``max_tokens`` tokens of a 7-layer page envelope, random rows (bf16 normals, or fp8
+    rows quantised from normals; never zeros), and a random permutation of physical pages behind the
+    virtual ones (page 0 is the sink)."""
 
-    def __init__(self, max_tokens: int, page_size: int = 64, seed: int = 0):
-        self.ps = page_size
+    def __init__(self, max_tokens: int, page_size: int = 64, seed: int = 0, kv_dtype: torch.dtype = torch.bfloat16):
+        self.ps, self.kv_dtype = page_size, kv_dtype
+        self.fmt = MLARowFormat(R, DR, kv_dtype)
         n_pages = max_tokens // page_size + 1
-        page_bytes = page_size * L * D * 2
+        page_bytes = page_size * L * self.fmt.row_bytes
         self.arena = torch.zeros((n_pages + 1) * page_bytes, dtype=torch.uint8, device="cuda")  # + tail pad
-        typed = self.arena.view(torch.bfloat16)
         g = torch.Generator(device="cuda").manual_seed(seed)
-        chunk = 2**28
-        for i in range(page_bytes // 2, typed.numel(), chunk):  # the sink page stays zero
-            typed[i: i + chunk].normal_(generator=g)
+        if self.fmt.quantized:
+            rows = self.arena.view(-1, self.fmt.row_bytes)
+            chunk = 2**18
+            for i in range(page_size * L, rows.shape[0], chunk):  # the sink page stays zero
+                n = min(chunk, rows.shape[0] - i)
+                rows[i: i + n] = fp8.quantize_rows(torch.randn(n, R, device="cuda", generator=g),
+                                                   torch.randn(n, DR, device="cuda", generator=g), self.fmt)
+        else:
+            typed = self.arena.view(torch.bfloat16)
+            chunk = 2**28
+            for i in range(page_bytes // 2, typed.numel(), chunk):  # the sink page stays zero
+                typed[i: i + chunk].normal_(generator=g)
         self.v2p = torch.full((n_pages,), -1, dtype=torch.int64, device="cuda")
         self.v2p[1:] = torch.randperm(n_pages - 1, device="cuda", generator=g) + 1
         self.g = g
@@ -113,13 +145,16 @@ class Setup:
 
     def args(self, q_nope, q_rope, page_table, kv_len, sm_scale):
         return (q_nope, q_rope, self.arena, self.v2p, page_table, kv_len, sm_scale, LAYER, L, self.ps, R, DR,
-                torch.bfloat16)
+                self.kv_dtype)
 
     def gather(self, page_table, context):
-        """Dense ``[B, context, D]`` bf16 latent rows of LAYER (all rows are full in this benchmark)."""
+        """Dense ``[B, context, D]`` bf16 latent rows of LAYER (all rows are full in this benchmark; fp8
+        rows dequantised)."""
         ps = self.ps
         t = torch.arange(context, device="cuda")
         rows = self.v2p[page_table.long()[:, t // ps]] * (ps * L) + LAYER * ps + t % ps
+        if self.fmt.quantized:
+            return fp8.dequantize_rows(self.arena.view(-1, self.fmt.row_bytes)[rows], self.fmt)
         return self.arena.view(torch.bfloat16).view(-1, D)[rows]
 
 
@@ -175,37 +210,125 @@ def cpu_us_per_call(fn, n: int = 200) -> float:
     return us
 
 
-def kernel_name(choice: str) -> str:
+def kernel_name(choice: str, kv_dtype: torch.dtype = torch.bfloat16) -> str:
     """The stage-1 form the op runs here for the benchmark's geometry."""
     if choice != "auto":
         return choice
-    fits = md.wgmma_supported(torch.device("cuda"), torch.bfloat16, 64, R, DR)
+    fits = md.wgmma_supported(torch.device("cuda"), kv_dtype, 64, R, DR)
     return "wgmma" if fits else "portable"
+
+
+def cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels one call of ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def hot_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median ms per call of ``calls`` back-to-back calls of ``fn`` in one CUDA graph, L2 NOT flushed:
+    after the first call the data ``fn`` reads sits in L2 if it fits."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+#: (batch, context) of the L2-resident points: 16384 tokens of one layer's bf16 rows, 18.9 MB (the H200 has
+#: 50 MB of L2 in two halves; a line may be held in both)
+L2_POINTS = [(16, 1024), (32, 512), (64, 256), (128, 128)]
+
+
+def l2_ceiling(kernel: str) -> dict:
+    """The bf16 kernel on L2-resident rows: ms per call and achieved TFLOP/s per point."""
+    setup = Setup(max(b * c for b, c in L2_POINTS))
+    sm_scale = (DN + DR) ** -0.5
+    out = {"kernel": kernel, "flops_per_token": flops_per_token(), "timing": "graph of 20 back-to-back calls, "
+           "median of 10 replays, L2 not flushed", "points": []}
+    print(f"L2-resident bf16 decode ({kernel}): {'batch':>5} {'context':>7} {'us':>8} {'TFLOP/s':>8} {'TB/s':>6}")
+    for batch, context in L2_POINTS:
+        a = setup.args(*setup.inputs(batch, context), sm_scale)
+        ms = hot_ms(lambda: torch.ops.unimem.mla_decode(*a))
+        tflops = batch * context * flops_per_token() / ms / 1e9
+        tbs = effective_bytes(batch, context) / ms / 1e9
+        out["points"].append({"batch": batch, "context": context, "graph_ms_hot": ms, "tflops": tflops,
+                              "tbs_from_l2": tbs, "kv_bytes": batch * context * D * 2})
+        print(f"{'':>36} {batch:>5} {context:>7} {ms * 1e3:>8.1f} {tflops:>8.1f} {tbs:>6.2f}")
+    out["max_tflops"] = max(p["tflops"] for p in out["points"])
+    return out
+
+
+def out_path(out: str, kv_dtype: torch.dtype, l2: bool) -> str:
+    """``out`` itself, or for a folder the file name of record ``mla_decode_<date>[suffix].json``."""
+    if not os.path.isdir(out):
+        return out
+    suffix = "_l2" if l2 else {torch.float8_e4m3fn: "_fp8", torch.float8_e4m3fnuz: "_fp8_fnuz"}.get(kv_dtype, "")
+    return os.path.join(out, f"mla_decode_{datetime.date.today().isoformat()}{suffix}.json")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, help="write the results as JSON here (a file, or a folder: the name of record)")
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--max-tokens", type=int, default=8 * 2**20,
                     help="skip points with more tokens in total (8M tokens: a 67 GB arena of 7-layer pages)")
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
+                    help="the rows' dtype (default bf16)")
+    ap.add_argument("--l2-ceiling", action="store_true",
+                    help="only the compute-ceiling probe: the bf16 kernel on L2-resident rows, in TFLOP/s")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
-    kernel = kernel_name(args.kernel)
+    kv_dtype = kv_dtype_of(args.kv_dtype)
+    if args.l2_ceiling:
+        if kv_dtype != torch.bfloat16:
+            raise SystemExit("bench_mla_decode: --l2-ceiling times the bf16 kernel; drop --kv-dtype")
+        result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "triton": triton.__version__,
+                  "l2_ceiling": l2_ceiling(kernel_name(args.kernel))}
+        if args.out:
+            with open(out_path(args.out, kv_dtype, True), "w") as f:
+                json.dump(result, f, indent=1)
+        return
+    kernel = kernel_name(args.kernel, kv_dtype)
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
     contexts = [1024, 4096, 16384, 32768, 65536, 131072] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
 
     ceiling = read_ceiling_tbs()
-    setup = Setup(max(b * c for b, c in points))
+    setup = Setup(max(b * c for b, c in points), kv_dtype=kv_dtype)
+    row_bytes = setup.fmt.row_bytes
     sm_scale = (DN + DR) ** -0.5
     result = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "conditions": f"bf16, {H} heads, R {R} + Dr {DR}, {L}-layer page envelope, page size {setup.ps}, "
-                      "full rows on randomly permuted pages, do_bench median (L2 flushed)",
+        "conditions": f"{args.kv_dtype} rows ({row_bytes} bytes), {H} heads, R {R} + Dr {DR}, {L}-layer page "
+                      f"envelope, page size {setup.ps}, full rows on randomly permuted pages, do_bench median "
+                      "(L2 flushed)",
+        "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "row_bytes": row_bytes,
         "kernel": kernel,
         "defaults": ({"block_n": 64, "num_warps": 4, "stages": mla_decode_hopper.WGMMA_STAGES, "blocks_per_sm": 1}
                      if kernel == "wgmma" else
@@ -214,7 +337,7 @@ def main() -> None:
         "points": [],
     }
     print(f"HBM read ceiling: {ceiling:.2f} TB/s; stage-1 kernel: {result['kernel']}")
-    same_size = SameSizeRead(max(effective_bytes(b, c) for b, c in points))
+    same_size = SameSizeRead(max(effective_bytes(b, c, row_bytes) for b, c in points))
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8} "
           f"{'same-size read TB/s':>19}")
     for batch, context in points:
@@ -222,13 +345,14 @@ def main() -> None:
         a = setup.args(q_nope, q_rope, page_table, kv_len, sm_scale)
         ms = bench_graph(lambda: torch.ops.unimem.mla_decode(*a))
         eager_ms = bench(lambda: torch.ops.unimem.mla_decode(*a))
-        tbs = effective_bytes(batch, context) / ms / 1e9
+        tbs = effective_bytes(batch, context, row_bytes) / ms / 1e9
         splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device,
                                           blocks_per_sm=result["defaults"]["blocks_per_sm"])
-        read_tbs = same_size.tbs(effective_bytes(batch, context))
+        read_tbs = same_size.tbs(effective_bytes(batch, context, row_bytes))
         result["points"].append({"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
                                  "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms,
-                                 "same_size_read_tbs": read_tbs, "fraction_of_same_size_read": tbs / read_tbs})
+                                 "same_size_read_tbs": read_tbs, "fraction_of_same_size_read": tbs / read_tbs,
+                                 "tflops": batch * context * flops_per_token() / ms / 1e9})
         print(f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "
               f"{eager_ms * 1e3:>8.1f} {read_tbs:>19.2f}")
     del same_size
@@ -244,7 +368,9 @@ def main() -> None:
     a = setup.args(q_nope, q_rope, page_table, kv_len, sm_scale)
     q_full = torch.randn(batch, H, 1, DN + DR, device="cuda", generator=setup.g).to(torch.bfloat16)
     w_kv_b = (torch.randn(H * (DN + DV), R, device="cuda", generator=setup.g) / math.sqrt(R)).to(torch.bfloat16)
-    nbytes = effective_bytes(batch, context)
+    nbytes = effective_bytes(batch, context, row_bytes)
+    result["kernels_per_call"] = cuda_kernels(lambda: torch.ops.unimem.mla_decode(*a))
+    print(f"CUDA kernels of one call at batch 32, context 4k: {result['kernels_per_call']}")
     ours = torch.ops.unimem.mla_decode(*a).float()
     theirs = torch_absorbed(setup, q_nope, q_rope, page_table, context, sm_scale).float()
     result["max_abs_diff_vs_torch_absorbed"] = float((ours - theirs).abs().max())
@@ -264,7 +390,7 @@ def main() -> None:
     result["side_by_side_b32_c4096"] = side
 
     if args.out:
-        with open(args.out, "w") as f:
+        with open(out_path(args.out, kv_dtype, False), "w") as f:
             json.dump(result, f, indent=1)
 
 

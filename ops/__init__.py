@@ -3,14 +3,16 @@ reference + Triton kernel + checking launcher per op family. Import as ``unimem_
 top-level ``ops`` (each op would register twice).
 
 Modules: ``geometry`` (:class:`MLAGeometry`, the six-argument geometry tail of every MLA op), ``common``
-(launcher checks, the state ops' slot footprints), ``translate`` (id translation), ``mla_write`` (fused
-latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (paged decode attention), ``mla_prefill`` (paged prefill attention,
-reached as ``unimem_compile.ops.mla_prefill``: its names are not re-exported here),
+(launcher checks, the state ops' slot footprints), ``translate`` (id translation), ``fp8`` (the fp8 MLA
+row codec: Triton encode / decode helpers and the plain-torch quantise / dequantise), ``mla_write`` (fused
+latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (paged decode attention),
+``mla_prefill`` (paged prefill attention, reached as ``unimem_compile.ops.mla_prefill``: its names are not
+re-exported here),
 ``state`` (slot gather/scatter), ``conv`` (short-conv update in place), ``kda`` (Kimi Delta Attention
 decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter).
 """
 
-from . import conv, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
+from . import conv, fp8, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
 from .conv import *  # noqa: F401,F403
 from .geometry import MLAGeometry  # noqa: F401
 from .kda import *  # noqa: F401,F403

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from unimem_compile.errors import GeometryError
-from unimem_compile.pool.specs import KERNEL_KV_DTYPES
+from unimem_compile.pool.specs import COMPUTE_DTYPES, KERNEL_KV_DTYPES
 
 from .geometry import MLAGeometry
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "KERNEL_KV_DTYPES",
     "FLOAT_INPUT_DTYPES",
     "SLOT_ARGUMENTS",
@@ -52,8 +53,8 @@ __all__ = [
     "check_live_slots",
 ]
 
-#: The float inputs the linear-attention ops take: :data:`KERNEL_KV_DTYPES`, widest first in their messages.
-FLOAT_INPUT_DTYPES = KERNEL_KV_DTYPES[::-1]
+#: The float inputs the linear-attention ops take: :data:`COMPUTE_DTYPES`, widest first in their messages.
+FLOAT_INPUT_DTYPES = COMPUTE_DTYPES[::-1]
 
 #: The arguments through which every state op addresses slots, by schema name: the arena, the virtual ->
 #: physical slot table, the lanes' virtual slots and the slot pitch in bytes.
@@ -137,12 +138,16 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> torch.device:
 def check_mla_geometry(op: str, arena: torch.Tensor, v2p: torch.Tensor, geometry: MLAGeometry) -> None:
     """Check the MLA geometry tail G (:class:`~.geometry.MLAGeometry`) against the arena and the page table size.
 
+    Rows are ``geometry.row_bytes`` bytes (``(R + Dr) * itemsize``, or the padded scaled row of an fp8
+    ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowFormat`).
+
     Raises GeometryError if a size is not positive, ``layer`` is outside ``[0, layer_num)``, a row is
     not a multiple of 16 bytes, ``len(v2p)`` page envelopes plus the dense-view tail pad do not fit in
     the arena (the message gives the bytes needed) or the arena holds a different number of pages of this
     geometry than ``len(v2p)`` (a page size, layer count or dtype that disagrees with the pool), the arena
-    starts at a byte of its storage that is not a multiple of the kv_dtype's size, or the arena or v2p is not
-    contiguous (kernels index both from their base pointer); TypeError for a kv_dtype kernels cannot compute in.
+    starts at a byte of its storage that is not a multiple of the kv_dtype's size (4 for fp8 rows: their
+    scales are read as fp32), or the arena or v2p is not contiguous (kernels index both from their base
+    pointer); TypeError for a kv_dtype the kernels cannot read (not in ``KERNEL_KV_DTYPES``, e.g. e5m2).
     """
     check_tensor(op, "arena", arena, dtype=torch.uint8, dim=1, contiguous=True)
     check_tensor(op, "v2p", v2p, dtype=torch.int64, dim=1, contiguous=True)
@@ -155,11 +160,12 @@ def check_mla_geometry(op: str, arena: torch.Tensor, v2p: torch.Tensor, geometry
             raise GeometryError(f"{op}: {name} must be positive, got {value}")
     if not 0 <= layer < layer_num:
         raise GeometryError(f"{op}: layer {layer} is outside [0, {layer_num})")
-    isz = torch.empty((), dtype=kv_dtype).element_size()
-    if arena.storage_offset() % isz:  # the ops view the arena as kv_dtype elements
+    # the ops view the arena as kv_dtype elements; fp8 rows also as fp32 scales and bf16 rope values
+    isz = 4 if geometry.quantized else torch.empty((), dtype=kv_dtype).element_size()
+    if arena.storage_offset() % isz:
         raise GeometryError(f"{op}: the arena starts at byte {arena.storage_offset()} of its storage, not a "
                             f"multiple of {isz} bytes ({kv_dtype}): it cannot be read as {kv_dtype} rows")
-    row = (kv_lora_rank + qk_rope_head_dim) * isz
+    row = geometry.row_bytes
     if row % 16:
         raise GeometryError(f"{op}: a row of {kv_lora_rank + qk_rope_head_dim} x {isz} bytes is not a multiple of 16")
     page_bytes = page_size * layer_num * row

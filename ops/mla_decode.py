@@ -15,6 +15,11 @@ normalised partial output and its log-sum-exp. Stage 2 merges the splits of each
 count is a function of static sizes only (batch, page-table width, heads and the device's SM count), so
 a growing context never recompiles and the launch can be captured in a CUDA graph; the split LENGTH is
 computed inside the kernel from ``kv_len``.
+
+Scaled fp8 rows (an fp8 ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowFormat`) have a split kernel
+of their own (:func:`_mla_decode_split_fp8_kernel`, the same grid, tiles and merge): it reads the codes,
+the fp32 scale of each 128-value tile and the bf16 rope, converts the codes exactly and applies the scales
+after the products they factor out of, never rounding a dequantised value.
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import triton.language as tl
 from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
-from .common import (KERNEL_KV_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
+from . import fp8
+from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
                      check_tensor)
+from unimem_compile.pool.specs import FP8_TILE
+
 from .geometry import MLAGeometry
 from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
                                 wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
-__all__ = ["mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits"]
+__all__ = ["mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits", "fp8_hw_conversion"]
 
 #: Resident stage-1 blocks per SM that the default split count fills (one wave): measured on an H200
 #: with BLOCK_N 64, 4 warps, 2 stages (benchmarks/results/mla_decode_2026-11-29.json).
@@ -46,6 +54,9 @@ BLOCKS_PER_SM = 2
 MAX_BLOCK_H = 32
 #: Stand-in SM count when the kernels run in the interpreter (CPU tensors).
 INTERPRETER_SMS = 4
+#: Most fp32 scales per fp8 row the fp8 split kernel holds accumulators for (R <= 512); wider latents run
+#: :func:`mla_decode_reference` on the device.
+FP8_MAX_SCALE_TILES = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
 
@@ -62,6 +73,7 @@ def mla_decode_reference(
     Same contract as :func:`mla_decode` (``geometry``: the six values of :class:`~.geometry.MLAGeometry`;
     no input checks). Tokens on tombstoned pages (or page-table entries < 0 / past ``v2p``) inside
     ``kv_len`` read as zero rows; tokens at or past ``kv_len`` are never used (their bytes may be NaN).
+    fp8 rows are dequantised first (:func:`.fp8.dequantize_rows`: the bf16 values ``mla_gather`` returns).
     Memory: ``B * P * page_size * D`` fp32 values.
     """
     g = MLAGeometry(*geometry)
@@ -79,8 +91,12 @@ def mla_decode_reference(
     ok = ok & (ppage >= 0)
     rows = torch.where(ok, ppage * (ps * layer_num) + layer * ps + t % ps, 0)
     row_bytes = g.row_bytes
-    typed = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)
-    kv = torch.where(ok[..., None], typed[rows].float(), 0.0)  # [B, n, D]; where() drops NaN bytes
+    if g.quantized:
+        values = fp8.dequantize_rows(arena[: arena.numel() // row_bytes * row_bytes].view(-1, row_bytes)[rows],
+                                     g.row_format)
+    else:
+        values = arena[: arena.numel() // row_bytes * row_bytes].view(kv_dtype).view(-1, D)[rows]
+    kv = torch.where(ok[..., None], values.float(), 0.0)  # [B, n, D]; where() drops NaN bytes
     q = torch.cat([q_nope, q_rope], dim=-1).float()
     scores = torch.einsum("bhd,bnd->bhn", q, kv) * sm_scale
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
@@ -209,6 +225,148 @@ def _mla_decode_split_kernel(
         tl.store(dst + c1[None, :], o1.to(out_ptr.dtype.element_ty), mask=ok1)
 
 
+# fp8 rows: the scaled row of MLARowFormat (codes, fp32 scales per 128 values, bf16 rope), read in registers
+@triton.jit
+def _fp8_codes(code_ptr, row, t_ok, J: tl.constexpr, R: tl.constexpr, ROW_BYTES: tl.constexpr,
+               SCALE_TILE: tl.constexpr, TILE_C: tl.constexpr, HW_FP8: tl.constexpr, FNUZ: tl.constexpr,
+               DOT_TY: tl.constexpr):
+    # latent columns [J * SCALE_TILE, + TILE_C) of a tile's rows as DOT_TY values of their e4m3 codes, without
+    # the scale: exact, every e4m3 value is a bf16 and an fp32 value. Masked lanes load code 0 (0.0).
+    c = J * SCALE_TILE + tl.arange(0, TILE_C)
+    codes = tl.load(code_ptr + tl.multiple_of(row * ROW_BYTES, 16)[:, None] + c[None, :],
+                    mask=t_ok[:, None] & (c < R)[None, :], other=0)
+    if HW_FP8:
+        return codes.to(tl.float8e4nv, bitcast=True).to(DOT_TY)  # one cvt per pair of codes
+    return fp8.fp8_decode(codes, FNUZ).to(DOT_TY)
+
+
+@triton.jit
+def _fp8_scale(scale_ptr, row, t_ok, J: tl.constexpr, ROW_BYTES: tl.constexpr, SCALE_OFFSET: tl.constexpr):
+    # the fp32 scale of columns [J * 128, + 128) of each token of the tile (0 for masked tokens)
+    return tl.load(scale_ptr + row * (ROW_BYTES // 4) + (SCALE_OFFSET // 4 + J), mask=t_ok, other=0.0)
+
+
+@triton.jit
+def _fp8_query(qn_row, h_ok, J: tl.constexpr, R: tl.constexpr, SCALE_TILE: tl.constexpr, TILE_C: tl.constexpr,
+               DOT_TY: tl.constexpr):
+    c = J * SCALE_TILE + tl.arange(0, TILE_C)
+    return tl.load(qn_row + c[None, :], mask=h_ok[:, None] & (c < R)[None, :], other=0.0).to(DOT_TY)
+
+
+@triton.jit
+def _fp8_store(dst_row, o, h_ok, J: tl.constexpr, R: tl.constexpr, SCALE_TILE: tl.constexpr,
+               TILE_C: tl.constexpr):
+    c = J * SCALE_TILE + tl.arange(0, TILE_C)
+    tl.store(dst_row + c[None, :], o.to(dst_row.dtype.element_ty), mask=h_ok[:, None] & (c < R)[None, :])
+
+
+@triton.jit
+def _mla_decode_split_fp8_kernel(
+    q_nope_ptr, q_rope_ptr, code_ptr, scale_ptr, rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr,
+    part_lse_ptr, out_ptr,
+    qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
+    stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
+    R: tl.constexpr, DR: tl.constexpr, PS: tl.constexpr, L: tl.constexpr,
+    ROW_BYTES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_TILE: tl.constexpr, TILE_C: tl.constexpr,
+    NT: tl.constexpr, BLOCK_DR: tl.constexpr, SPLIT: tl.constexpr, PAGE_TILE: tl.constexpr,
+    HW_FP8: tl.constexpr, FNUZ: tl.constexpr, DOT_TY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # _mla_decode_split_kernel on scaled fp8 rows. The latent goes as NT (<= 4) column tiles of one scale
+    # each. A token's scale s_j multiplies every value of its tile j, so it factors out of both products
+    # over that tile: q . k = sum_j s_j (q_j . codes_j) (the score dot per tile on the raw codes, then one
+    # multiply per (head, token)), and sum_n p_n s_nj codes_nj = (p * s_j) . codes_j (the probabilities
+    # scaled per token before the value dot). The codes are only converted, never multiplied: the bytes
+    # read are 656 per token instead of 1152, and the extra work is O(heads x tokens) per tile.
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2)
+    n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
+
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    cr = tl.arange(0, BLOCK_DR)
+    h_ok = offs_h < H
+    cr_ok = cr < DR
+    qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
+    q0 = _fp8_query(qn_row, h_ok, 0, R, SCALE_TILE, TILE_C, DOT_TY)
+    if NT > 1:
+        q1 = _fp8_query(qn_row, h_ok, 1, R, SCALE_TILE, TILE_C, DOT_TY)
+    if NT > 2:
+        q2 = _fp8_query(qn_row, h_ok, 2, R, SCALE_TILE, TILE_C, DOT_TY)
+    if NT > 3:
+        q3 = _fp8_query(qn_row, h_ok, 3, R, SCALE_TILE, TILE_C, DOT_TY)
+    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
+                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, TILE_C], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, TILE_C], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, TILE_C], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, TILE_C], tl.float32)
+    pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
+    rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
+    for t0 in range(start, end, BLOCK_N):
+        rows = rows_next
+        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
+                               PAGE_TILE)
+        t_ok = (t0 + offs_n) < end
+        if PAGE_TILE:
+            row = rows + offs_n  # one page: a contiguous run of BLOCK_N rows
+        else:
+            row = rows
+        kr = tl.load(rope_ptr + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None] + cr[None, :],
+                     mask=t_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
+        qk = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
+        k0 = _fp8_codes(code_ptr, row, t_ok, 0, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
+        s0 = _fp8_scale(scale_ptr, row, t_ok, 0, ROW_BYTES, SCALE_OFFSET)
+        qk += tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION) * s0[None, :]
+        if NT > 1:
+            k1 = _fp8_codes(code_ptr, row, t_ok, 1, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
+            s1 = _fp8_scale(scale_ptr, row, t_ok, 1, ROW_BYTES, SCALE_OFFSET)
+            qk += tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION) * s1[None, :]
+        if NT > 2:
+            k2 = _fp8_codes(code_ptr, row, t_ok, 2, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
+            s2 = _fp8_scale(scale_ptr, row, t_ok, 2, ROW_BYTES, SCALE_OFFSET)
+            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION) * s2[None, :]
+        if NT > 3:
+            k3 = _fp8_codes(code_ptr, row, t_ok, 3, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
+            s3 = _fp8_scale(scale_ptr, row, t_ok, 3, ROW_BYTES, SCALE_OFFSET)
+            qk += tl.dot(q3, tl.trans(k3), input_precision=DOT_PRECISION) * s3[None, :]
+        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc0 = tl.dot((p * s0[None, :]).to(DOT_TY), k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
+        if NT > 1:
+            acc1 = tl.dot((p * s1[None, :]).to(DOT_TY), k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
+        if NT > 2:
+            acc2 = tl.dot((p * s2[None, :]).to(DOT_TY), k2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
+        if NT > 3:
+            acc3 = tl.dot((p * s3[None, :]).to(DOT_TY), k3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
+    if SPLIT:
+        # an unused split (start >= end) stores nothing: the merge reads only the splits holding tokens
+        slot = (b.to(tl.int64) * num_splits + s) * H + offs_h
+        dst = part_o_ptr + slot[:, None] * R
+        keep = h_ok & (tl.zeros_like(offs_h) + start < end)
+        tl.store(part_lse_ptr + slot, m_i + tl.log2(l_safe), mask=keep)
+    else:
+        dst = out_ptr + (b.to(tl.int64) * H + offs_h[:, None]) * R
+        keep = h_ok
+    _fp8_store(dst, acc0 / l_safe[:, None], keep, 0, R, SCALE_TILE, TILE_C)
+    if NT > 1:
+        _fp8_store(dst, acc1 / l_safe[:, None], keep, 1, R, SCALE_TILE, TILE_C)
+    if NT > 2:
+        _fp8_store(dst, acc2 / l_safe[:, None], keep, 2, R, SCALE_TILE, TILE_C)
+    if NT > 3:
+        _fp8_store(dst, acc3 / l_safe[:, None], keep, 3, R, SCALE_TILE, TILE_C)
+
+
 @triton.jit
 def _mla_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, kv_len_ptr, out_ptr, max_tokens, H, num_splits,
@@ -296,8 +454,21 @@ def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size:
     return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
 
 
+def fp8_hw_conversion(device: torch.device, kv_dtype: torch.dtype) -> bool:
+    """Whether the fp8 split kernel converts ``kv_dtype``'s codes with Triton's fp8 type (``tl.float8e4nv``:
+    one ``cvt`` per pair of codes on the GPU) rather than the integer decoder :func:`.fp8.fp8_decode`: for
+    e4m3fn on the interpreter (CPU tensors) and on GPUs with fp8 conversions (compute capability 8.9 and
+    up). e4m3fnuz always takes the integer decoder: Triton has no e4m3fnuz conversion on sm_90. Both are
+    exact (every e4m3 value is a bf16 and an fp32 value)."""
+    if kv_dtype != torch.float8_e4m3fn:
+        return False
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, g: MLAGeometry) -> None:
-    check_tensor(op, "q_nope", q_nope, dtype=KERNEL_KV_DTYPES, dim=3)
+    check_tensor(op, "q_nope", q_nope, dtype=COMPUTE_DTYPES, dim=3)
     B, H = q_nope.shape[:2]
     check_tensor(op, "q_nope", q_nope, shape=(B, H, g.kv_lora_rank))
     check_tensor(op, "q_rope", q_rope, dtype=q_nope.dtype, shape=(B, H, g.qk_rope_head_dim))
@@ -341,6 +512,16 @@ def mla_decode_triton(
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
+    An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs the portable
+    form's fp8 split kernel (``kernel="wgmma"`` raises; the knobs apply as to the portable kernel): it reads
+    each row's fp8 codes, fp32 scales and bf16 rope (656 bytes at R 512, Dr 64, not 1152), converts the
+    codes exactly to the dot dtype (bf16 for 16-bit queries, fp32 for fp32 ones; :func:`fp8_hw_conversion`
+    says how) and applies each 128-value tile's scale after the dot it factors out of (per (head, token)
+    to the scores, per token to the probabilities before the value dot), so no value is rounded: the
+    result is the attention over the exact ``code x scale`` values, which differs from
+    :func:`mla_decode_reference` (it reads the bf16-rounded values ``mla_gather`` returns) by that rounding.
+    Latents wider than ``128 x FP8_MAX_SCALE_TILES`` run the reference on the device.
+
     Returns:
         ``[B, H, R]`` contiguous, q's dtype, a fresh tensor. Scratch (``[B, splits, H, R]`` partials) is
         allocated with ``torch.empty`` per call (caching allocator; CUDA-graph safe).
@@ -370,7 +551,7 @@ def mla_decode_triton(
             check_knob(op, name, value, power_of_two=True)
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
-    if partial_dtype is not None and partial_dtype not in KERNEL_KV_DTYPES:
+    if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
     kernel = kernel or env.mla_decode_kernel() or "auto"
@@ -388,6 +569,9 @@ def mla_decode_triton(
                              f"address {arena.data_ptr():#x}")
         fits_wgmma = False
     use_wgmma = fits_wgmma and kernel != "portable"
+    if g.quantized and g.row_format.num_scales > FP8_MAX_SCALE_TILES:
+        # the fp8 kernel holds one accumulator per scale tile; no model we serve has a wider latent
+        return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
     if use_wgmma:
         block_n = WGMMA_BLOCK_N
     elif block_n is None:
@@ -411,7 +595,7 @@ def mla_decode_triton(
     D = g.row_width
     row_bytes = g.row_bytes
     n_rows = arena.numel() // row_bytes
-    kv = arena[: n_rows * row_bytes].view(kv_dtype)
+    kv = None if g.quantized else arena[: n_rows * row_bytes].view(kv_dtype)
     if splits > 1:
         part_o = torch.empty((B, splits, H, R), dtype=partial_dtype or torch.float32, device=q_nope.device)
         part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
@@ -434,6 +618,9 @@ def mla_decode_triton(
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
                                      partial_dtype=partial_dtype, kernel="portable", merge_block_r=merge_block_r,
                                      merge_block_s=merge_block_s)
+    elif g.quantized:
+        _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g,
+                             splits, block_h, block_n, num_warps, num_stages)
     else:
         _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
@@ -466,6 +653,31 @@ def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_l
     )
 
 
+def _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
+                         g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
+    B, H, R = q_nope.shape
+    layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
+    fmt = g.row_format
+    rows = arena[: arena.numel() // fmt.row_bytes * fmt.row_bytes]
+    page_tile = page_size % block_n == 0
+    if num_stages is None:
+        num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
+    fp32 = q_nope.dtype == torch.float32
+    _mla_decode_split_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
+        q_nope, q_rope, rows, rows.view(torch.float32), rows.view(torch.bfloat16), v2p, page_table, kv_len,
+        part_o, part_lse, out,
+        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
+        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
+        ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset,
+        BLOCK_H=block_h, BLOCK_N=block_n, SCALE_TILE=FP8_TILE,
+        TILE_C=min(FP8_TILE, max(16, triton.next_power_of_2(R))), NT=fmt.num_scales, BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
+        SPLIT=splits > 1, PAGE_TILE=page_tile, HW_FP8=fp8_hw_conversion(q_nope.device, kv_dtype), FNUZ=fp8.FNUZ[kv_dtype],
+        DOT_TY=tl.float32 if fp32 else tl.bfloat16, DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- declaration
 @torch.library.custom_op("unimem::mla_decode", mutates_args=())
 def mla_decode(
@@ -485,7 +697,9 @@ def mla_decode(
         kv_len: int32 ``[B]`` tokens per row (0 allowed; at most ``P * page_size``).
         sm_scale: softmax scale applied to ``q_nope . kv[:R] + q_rope . kv[R:]``.
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (R = kv_lora_rank,
-            Dr = qk_rope_head_dim); kv_dtype bf16, fp16 or fp32.
+            Dr = qk_rope_head_dim); kv_dtype bf16, fp16, fp32, or e4m3fn / e4m3fnuz (scaled fp8 rows: the
+            reference, which CPU tensors run, reads the bf16 values ``mla_gather`` returns; CUDA tensors run
+            the fp8 split kernel over the exact ``code x scale`` values, see :func:`mla_decode_triton`).
 
     Returns:
         ``[B, H, R]`` contiguous in q's dtype: ``softmax(scores) @ kv[:, :R]`` per row and head, zeros for

@@ -48,6 +48,12 @@ chunk of more than ~200 queries is compute bound even if every read came from HB
 
 Reference: :func:`mla_prefill_reference` (plain torch, the same pieces and merge), also the default
 implementation (CPU tensors run it); CUDA tensors run :func:`mla_prefill_triton`.
+
+fp8 rows (an fp8 ``kv_dtype``: :class:`~unimem_compile.pool.specs.MLARowFormat`) are read as the bf16 values
+``mla_gather`` returns (:func:`.fp8.dequantize_rows`), rounded to q's dtype: by the reference, and in the
+launcher by a plain-torch gather of each piece into the workspace (:func:`_gather_piece_fp8`) in place of the
+Triton gather kernel, which reads rows of ``kv_dtype`` values; the expansion and the attention kernel are
+the same.
 """
 
 from __future__ import annotations
@@ -61,10 +67,11 @@ import triton.language as tl
 from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
-from .common import (KERNEL_KV_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
+from . import fp8
+from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
                      check_tensor)
 from .geometry import MLAGeometry
-from .mla_write import check_kernel_device, latent_rows, typed_rows
+from .mla_write import arena_rows, check_kernel_device, latent_rows, typed_rows
 
 # The op object is ``torch.ops.unimem.mla_prefill`` (or ``unimem_compile.ops.mla_prefill.mla_prefill``):
 # exporting it from the package would shadow this module.
@@ -122,7 +129,7 @@ def mla_prefill_reference(
     pieces of the packed history, the expansion in q's dtype, fp32 scores, and the same log-sum-exp merge
     across pieces, so CPU runs exercise the merge. Tokens on tombstoned or -1 pages inside ``kv_len`` read as
     zero rows; bytes past ``kv_len`` are never used. Lengths come from ``kv_len_host`` (``kv_len`` copied to
-    the host when None)."""
+    the host when None). fp8 rows are dequantised (:func:`.fp8.dequantize_rows`) before the cast to q's dtype."""
     g = MLAGeometry(*geometry)
     B, H, T, dn, dv = _dims(q, w_kv_b, g.qk_rope_head_dim)
     R, ps = g.kv_lora_rank, g.page_size
@@ -132,7 +139,7 @@ def mla_prefill_reference(
     out = torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev)
     lse = torch.full((B, T, H), float("-inf"), dtype=torch.float32, device=dev)
     starts = [sum(lengths[:b]) for b in range(B)]
-    rows_typed = typed_rows(arena, g.kv_dtype, g.row_width)
+    stored = arena_rows(arena, g)
     w = w_kv_b.reshape(H, dn + dv, R)
     t = torch.arange(T, device=dev)
     for p in range(pieces):
@@ -145,7 +152,8 @@ def mla_prefill_reference(
             loc = page_table[b].long()[i // ps]
             loc = torch.where(loc >= 0, loc * ps + i % ps, -1)
             rows, live = latent_rows(v2p, loc, g.layer, g.layer_num, ps)
-            lat = torch.where(live[:, None], rows_typed[rows].to(q.dtype), torch.zeros((), dtype=q.dtype, device=dev))
+            values = fp8.dequantize_rows(stored[rows], g.row_format) if g.quantized else stored[rows]
+            lat = torch.where(live[:, None], values.to(q.dtype), torch.zeros((), dtype=q.dtype, device=dev))
             kv = torch.einsum("nr,hcr->nhc", lat[:, :R], w)  # [n, H, dn + dv] in q's dtype, as F.linear rounds
             k_nope, v = kv[..., :dn].float(), kv[..., dn:].float()
             k_rot = lat[:, R:].float()
@@ -215,6 +223,26 @@ def _gather_piece_kernel(
     r = tl.load(kv_ptr + src[:, None] + R + rcols[None, :], mask=live[:, None] & (rcols < DR)[None, :], other=0.0)
     tl.store(ws_ptr + dst[:, None] + R + rcols[None, :], r.to(out_ty),
              mask=in_piece[:, None] & (rcols < DR)[None, :])
+
+
+def _gather_piece_fp8(ws: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor,
+                      cu: torch.Tensor, start: int, n: int, g: MLAGeometry) -> None:
+    """:func:`_gather_piece_kernel` for fp8 rows, in plain torch: workspace rows ``[0, n)`` = the dequantised
+    latent rows of packed positions ``[start, start + n)`` in q's dtype (zeros for a position past the
+    total, a -1 or dead page), each position's row found as the kernel finds it (the largest ``b`` with
+    ``cu[b] <= position``)."""
+    B = page_table.shape[0]
+    cu = cu.long()
+    x = torch.arange(start, start + n, device=ws.device)
+    b = (torch.searchsorted(cu, x, right=True) - 1).clamp(0, B - 1)
+    i = x - cu[b]
+    live = (x < cu[B]) & (i >= 0)
+    i = torch.where(live, i, 0)
+    vpage = page_table.long()[b, i // g.page_size]
+    loc = torch.where(live & (vpage >= 0), vpage * g.page_size + i % g.page_size, -1)
+    rows, ok = latent_rows(v2p, loc, g.layer, g.layer_num, g.page_size)
+    values = fp8.dequantize_rows(arena_rows(arena, g)[rows], g.row_format)
+    ws[:n] = torch.where(ok[:, None], values, torch.zeros((), dtype=values.dtype, device=ws.device))
 
 
 @triton.jit
@@ -376,7 +404,7 @@ def _tiles(arch: int | None, T: int, dtype: torch.dtype = torch.bfloat16) -> dic
 
 def _check(op, q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens,
            g: MLAGeometry) -> None:
-    check_tensor(op, "q", q, dtype=KERNEL_KV_DTYPES, dim=4)
+    check_tensor(op, "q", q, dtype=COMPUTE_DTYPES, dim=4)
     B, H, T, dq = q.shape
     kv_lora_rank, qk_rope_head_dim = g.kv_lora_rank, g.qk_rope_head_dim
     if dq <= qk_rope_head_dim:
@@ -469,7 +497,7 @@ def mla_prefill_triton(
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         acc = lse = out  # never read or written with one piece (first and last)
-    kv = typed_rows(arena, g.kv_dtype, R + Dr)
+    kv = None if g.quantized else typed_rows(arena, g.kv_dtype, R + Dr)
     w_t = w_kv_b.t()
     r_p2, dr_p2 = triton.next_power_of_2(R), triton.next_power_of_2(Dr)
     steps = max(1, (B - 1).bit_length())
@@ -477,11 +505,14 @@ def mla_prefill_triton(
     for p in range(pieces):
         start = p * workspace_tokens
         n = min(workspace_tokens, total - start)
-        _gather_piece_kernel[(triton.cdiv(n, gather_block),)](
-            ws, kv, v2p, page_table, cu, start, n, B, v2p.numel(), page_table.stride(0), page_table.stride(1),
-            layer, layer_num, page_size, R=R, DR=Dr, R_P2=r_p2, DR_P2=dr_p2, SEARCH_STEPS=steps,
-            BLOCK=gather_block, num_warps=4,
-        )
+        if g.quantized:
+            _gather_piece_fp8(ws, arena, v2p, page_table, cu, start, n, g)
+        else:
+            _gather_piece_kernel[(triton.cdiv(n, gather_block),)](
+                ws, kv, v2p, page_table, cu, start, n, B, v2p.numel(), page_table.stride(0), page_table.stride(1),
+                layer, layer_num, page_size, R=R, DR=Dr, R_P2=r_p2, DR_P2=dr_p2, SEARCH_STEPS=steps,
+                BLOCK=gather_block, num_warps=4,
+            )
         torch.mm(ws[:n, :R], w_t, out=e[:n])
         _mla_prefill_attn_kernel[grid](
             q, e, ws, cu, out, acc, lse, sm_scale * _LOG2E, T, H, start, start + n, int(p == 0),
@@ -524,7 +555,7 @@ def mla_prefill(
         workspace_tokens: packed history tokens per piece (>= 1; :data:`WORKSPACE_TOKENS` is the default
             callers use): bounds the op's memory, see the module docstring.
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (kv_dtype
-            bf16, fp16 or fp32).
+            bf16, fp16, fp32, or e4m3fn / e4m3fnuz: scaled fp8 rows, read as their dequantised bf16 values).
 
     Returns:
         ``[B, H, T, dv]`` in q's dtype, a fresh tensor laid out as a contiguous ``[B, T, H, dv]`` (strides

@@ -1,10 +1,11 @@
 """Ops ``unimem::mla_kv_write`` and ``unimem::mla_kv_write_rmsnorm``: the fused MLA latent KV write.
 
 One launch per call writes ``T`` tokens' latent rows ``[kv_nope | k_rope]`` (``D = R + Dr`` values of
-``kv_dtype``) of one MLA layer into the uint8 arena. The virtual -> dense translation of docs/design.md
-section 3 happens inside the kernel (no index tensor is materialised)::
+``kv_dtype``, or for an fp8 ``kv_dtype`` the scaled row of :class:`~unimem_compile.pool.specs.MLARowFormat`,
+quantised in the kernel: :mod:`.fp8`) of one MLA layer into the uint8 arena. The virtual -> dense
+translation of docs/design.md section 3 happens inside the kernel (no index tensor is materialised)::
 
-    row = v2p[t // ps] * ps * L + layer * ps + t % ps        (D-wide rows of kv_dtype from byte 0)
+    row = v2p[t // ps] * ps * L + layer * ps + t % ps        (rows of row_bytes bytes from byte 0)
 
 A lane writes nothing when its location is < 0, its virtual page lies past ``v2p``, is tombstoned
 (``v2p = -1``), or maps to a physical page <= 0 (the sink). The ``_rmsnorm`` variant applies the model's
@@ -18,6 +19,8 @@ checking launchers :func:`mla_kv_write_triton` / :func:`mla_kv_write_rmsnorm_tri
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +28,11 @@ import triton.language as tl
 from unimem_compile import env
 from unimem_compile.errors import GeometryError
 from unimem_compile.pool import translate as ref
+from unimem_compile.pool.specs import FP8_TILE
 
+from . import fp8
 from .common import (
-    KERNEL_KV_DTYPES,
+    COMPUTE_DTYPES,
     check_live_locations,
     check_mla_geometry,
     check_same_device,
@@ -55,6 +60,15 @@ def typed_rows(arena: torch.Tensor, kv_dtype: torch.dtype, row_width: int) -> to
     row_bytes = row_width * torch.empty((), dtype=kv_dtype).element_size()
     n = arena.numel() // row_bytes
     return arena[: n * row_bytes].view(kv_dtype).view(n, row_width)
+
+
+def arena_rows(arena: torch.Tensor, g: MLAGeometry) -> torch.Tensor:
+    """The arena as the geometry's rows counted from byte 0 (a view): ``[n_rows, R + Dr]`` of ``kv_dtype``,
+    or ``[n_rows, row_bytes]`` uint8 for fp8 rows."""
+    if not g.quantized:
+        return typed_rows(arena, g.kv_dtype, g.row_width)
+    n = arena.numel() // g.row_bytes
+    return arena[: n * g.row_bytes].view(n, g.row_bytes)
 
 
 def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int, page_size: int):
@@ -90,13 +104,13 @@ def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g:
     check_tensor(op, "virt_loc", virt_loc, dtype=torch.int64, dim=1)
     t = virt_loc.shape[0]
     nope_name = "kv_nope" if norm_weight is None else "kv_nope_unnormed"
-    check_tensor(op, nope_name, kv_nope, dtype=KERNEL_KV_DTYPES, shape=(t, kv_lora_rank))
-    check_tensor(op, "k_rope", k_rope, dtype=KERNEL_KV_DTYPES, shape=(t, qk_rope_head_dim))
+    check_tensor(op, nope_name, kv_nope, dtype=COMPUTE_DTYPES, shape=(t, kv_lora_rank))
+    check_tensor(op, "k_rope", k_rope, dtype=COMPUTE_DTYPES, shape=(t, qk_rope_head_dim))
     for name, x in ((nope_name, kv_nope), ("k_rope", k_rope)):
         if x.shape[1] > 1 and x.stride(1) != 1:
             raise GeometryError(f"{op}: {name} must have a last-dimension stride of 1, got strides {x.stride()}")
     if norm_weight is not None:
-        check_tensor(op, "norm_weight", norm_weight, dtype=KERNEL_KV_DTYPES, shape=(kv_lora_rank,), contiguous=True)
+        check_tensor(op, "norm_weight", norm_weight, dtype=COMPUTE_DTYPES, shape=(kv_lora_rank,), contiguous=True)
         if not eps >= 0.0:
             raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
     check_same_device(op, arena=arena, v2p=v2p, virt_loc=virt_loc, **{nope_name: kv_nope}, k_rope=k_rope,
@@ -121,28 +135,22 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 def mla_kv_write_reference(arena, v2p, virt_loc, kv_nope, k_rope, *geometry) -> None:
     """Plain-torch :func:`mla_kv_write` (arguments as there, ``geometry`` the six values of
     :class:`~.geometry.MLAGeometry`; no checks). Duplicate live locations in one call leave one of their
-    rows, unspecified which (as in the kernel)."""
+    rows, unspecified which (as in the kernel). fp8 rows are quantised by :func:`.fp8.quantize_rows`."""
     g = MLAGeometry(*geometry)
     rows, live = latent_rows(v2p, virt_loc, g.layer, g.layer_num, g.page_size)
+    if g.quantized:
+        values = fp8.quantize_rows(kv_nope[live], k_rope[live], g.row_format)
+        arena_rows(arena, g)[rows[live]] = values
+        return
     values = torch.cat([kv_nope.to(g.kv_dtype), k_rope.to(g.kv_dtype)], dim=-1)
     typed_rows(arena, g.kv_dtype, g.row_width)[rows[live]] = values[live]
 
 
-# ---------------------------------------------------------------------------- kernel
+# ---------------------------------------------------------------------------- kernels
 @triton.jit
-def _mla_kv_write_kernel(
-    out_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
-    v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,
-    T, num_pages, layer, layer_num, page_size,
-    nope_stride, rope_stride, eps,
-    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr, VEC: tl.constexpr,
-    NORM: tl.constexpr, IN_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr,
-):
-    # Tiling: program i owns tokens [i*BLOCK_T, (i+1)*BLOCK_T) and their WHOLE rows, as two tiles:
-    # [BLOCK_T, R_P2] of kv_nope (the RMSNorm reduces along it) and [BLOCK_T, DR_P2] of k_rope. Each token's
-    # destination row is translated here, per lane, so no index tensor exists outside the kernel.
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _destination_rows(v2p_ptr, loc_ptr, t, T, num_pages, layer, layer_num, page_size):
+    # Each token's destination row, translated per lane (no index tensor exists outside the kernel), and
+    # whether the lane writes at all.
     loc = tl.load(loc_ptr + t, mask=t < T, other=-1)
     live = loc >= 0
     safe = tl.where(live, loc, 0)  # negative ids are the sink BEFORE any division
@@ -150,10 +158,13 @@ def _mla_kv_write_kernel(
     live = live & (vpage < num_pages)
     ppage = tl.load(v2p_ptr + vpage, mask=live, other=0)  # masked before indexing the table
     live = live & (ppage > 0)  # tombstone (-1) or the sink (0): write nothing
-    row = (ppage * layer_num + layer) * page_size + (safe - vpage * page_size)
-    # rows are D * itemsize bytes, a multiple of 16: every row starts 16-byte aligned
-    dst = tl.multiple_of(row * (R + DR), VEC)
+    return live, (ppage * layer_num + layer) * page_size + (safe - vpage * page_size)
 
+
+@triton.jit
+def _latent_tile(nope_ptr, weight_ptr, t, live, nope_stride, eps, R: tl.constexpr, R_P2: tl.constexpr,
+                 NORM: tl.constexpr, IN_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr):
+    # The [BLOCK_T, R_P2] tile of latents to store (zeros past R and in dead lanes), normalised if NORM.
     cols = tl.arange(0, R_P2)
     m = live[:, None] & (cols < R)[None, :]
     x = tl.load(nope_ptr + t[:, None] * nope_stride + cols[None, :], mask=m, other=0.0)
@@ -165,12 +176,76 @@ def _mla_kv_write_kernel(
         y = (xf * tl.rsqrt(var + eps)[:, None]).to(IN_DTYPE).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=cols < R, other=0.0).to(tl.float32)
         x = (y * w[None, :]).to(PROD_DTYPE)
+    return x, m
+
+
+@triton.jit
+def _mla_kv_write_kernel(
+    out_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
+    v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,
+    T, num_pages, layer, layer_num, page_size,
+    nope_stride, rope_stride, eps,
+    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr, VEC: tl.constexpr,
+    NORM: tl.constexpr, IN_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+):
+    # Tiling: program i owns tokens [i*BLOCK_T, (i+1)*BLOCK_T) and their WHOLE rows, as two tiles:
+    # [BLOCK_T, R_P2] of kv_nope (the RMSNorm reduces along it) and [BLOCK_T, DR_P2] of k_rope.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live, row = _destination_rows(v2p_ptr, loc_ptr, t, T, num_pages, layer, layer_num, page_size)
+    # rows are D * itemsize bytes, a multiple of 16: every row starts 16-byte aligned
+    dst = tl.multiple_of(row * (R + DR), VEC)
+
+    x, m = _latent_tile(nope_ptr, weight_ptr, t, live, nope_stride, eps, R, R_P2, NORM, IN_DTYPE, PROD_DTYPE)
+    cols = tl.arange(0, R_P2)
     tl.store(out_ptr + dst[:, None] + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
 
     rcols = tl.arange(0, DR_P2)
     rm = live[:, None] & (rcols < DR)[None, :]
     r = tl.load(rope_ptr + t[:, None] * rope_stride + rcols[None, :], mask=rm, other=0.0)
     tl.store(out_ptr + dst[:, None] + R + rcols[None, :], r.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def _mla_kv_write_fp8_kernel(
+    code_ptr, scale_ptr, rope_out_ptr,  # the arena as uint8, fp32 and bf16 elements, each from byte 0
+    v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,
+    T, num_pages, layer, layer_num, page_size,
+    nope_stride, rope_stride, eps,
+    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr, TILE: tl.constexpr,
+    ROW_BYTES: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROPE_OFFSET: tl.constexpr, ROPE_VEC: tl.constexpr,
+    FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
+    BLOCK_T: tl.constexpr, NORM: tl.constexpr, IN_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+):
+    # The scaled fp8 row of MLARowFormat (ops/fp8.py): the same tiling as _mla_kv_write_kernel, the
+    # [BLOCK_T, R_P2] latent tile seen as [BLOCK_T, R_P2 / TILE, TILE] for the per-tile scales (TILE = 128,
+    # or R_P2 when that is smaller: one tile). Values past R are zeros, so they never raise a tile's max;
+    # their codes and the scales of tiles past ceil(R / 128) are masked at the store.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live, row = _destination_rows(v2p_ptr, loc_ptr, t, T, num_pages, layer, layer_num, page_size)
+    base = tl.multiple_of(row * ROW_BYTES, 16)  # rows are padded to 16 bytes
+
+    x, m = _latent_tile(nope_ptr, weight_ptr, t, live, nope_stride, eps, R, R_P2, NORM, IN_DTYPE, PROD_DTYPE)
+    NT: tl.constexpr = R_P2 // TILE
+    xt = tl.reshape(x.to(tl.float32), [BLOCK_T, NT, TILE])
+    scale = tl.math.div_rn(tl.reduce(tl.abs(xt), 2, fp8.fp8_nanmax), FP8_MAX)  # IEEE division, as torch's
+    s3 = scale[:, :, None]
+    # a tile of zeros (or a NaN scale): codes 0; a zero scale reads them back as zeros
+    q = tl.where(s3 > 0, tl.math.div_rn(xt, tl.where(s3 > 0, s3, 1.0)), 0.0)
+    codes = tl.reshape(fp8.fp8_encode(q, FNUZ), [BLOCK_T, R_P2])
+    cols = tl.arange(0, R_P2)
+    tl.store(code_ptr + base[:, None] + cols[None, :], codes.to(tl.uint8), mask=m)
+    tiles = tl.arange(0, NT)
+    tl.store(scale_ptr + (base + SCALE_OFFSET)[:, None] // 4 + tiles[None, :], scale,
+             mask=live[:, None] & (tiles * TILE < R)[None, :])
+
+    rcols = tl.arange(0, DR_P2)
+    rm = live[:, None] & (rcols < DR)[None, :]
+    r = tl.load(rope_ptr + t[:, None] * rope_stride + rcols[None, :], mask=rm, other=0.0)
+    if r.dtype != tl.bfloat16:
+        r = fp8.to_bf16_rne(r.to(tl.float32))
+    rdst = tl.multiple_of((base + ROPE_OFFSET) // 2, ROPE_VEC)
+    tl.store(rope_out_ptr + rdst[:, None] + rcols[None, :], r, mask=rm)
 
 
 def _block_t(t: int) -> int:
@@ -194,19 +269,30 @@ def _launch(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g: MLAG
     kv_nope, k_rope, norm_weight = (
         x.clone() if x is not None and overlaps_arena(x, arena) else x for x in (kv_nope, k_rope, norm_weight))
     layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype = g.args()
-    itemsize = kv_dtype.itemsize
     r_p2 = triton.next_power_of_2(kv_lora_rank)
-    # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps
-    warps = max(1, min(4, bt * r_p2 * itemsize // 512))
     norm = norm_weight is not None
     prod = torch.promote_types(norm_weight.dtype, kv_nope.dtype) if norm else kv_nope.dtype
+    common = dict(R=kv_lora_rank, DR=qk_rope_head_dim, R_P2=r_p2, DR_P2=triton.next_power_of_2(qk_rope_head_dim),
+                  BLOCK_T=bt, NORM=norm, IN_DTYPE=TL_DTYPES[kv_nope.dtype], PROD_DTYPE=TL_DTYPES[prod])
+    args = (v2p, virt_loc.contiguous(), kv_nope, k_rope, norm_weight if norm else kv_nope,
+            t, v2p.numel(), layer, layer_num, page_size, kv_nope.stride(0), k_rope.stride(0), float(eps))
+    if g.quantized:
+        fmt = g.row_format
+        rows = arena[: arena.numel() // g.row_bytes * g.row_bytes]
+        # ~16 bytes of input per thread per row segment, as below (the codes are 1 byte, the inputs not)
+        warps = max(1, min(4, bt * r_p2 * kv_nope.element_size() // 512))
+        _mla_kv_write_fp8_kernel[(triton.cdiv(t, bt),)](
+            rows, rows.view(torch.float32), rows.view(torch.bfloat16), *args,
+            TILE=min(FP8_TILE, r_p2), ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset,
+            ROPE_OFFSET=fmt.rope_offset, ROPE_VEC=math.gcd(fmt.rope_offset // 2, 8), FP8_MAX=fmt.fp8_max,
+            FNUZ=fp8.FNUZ[kv_dtype], **common, num_warps=warps,
+        )
+        return
+    itemsize = kv_dtype.itemsize
+    # ~16 bytes per thread per row segment: bf16 R=512 and one token -> 2 warps, 8 tokens -> 4 warps
+    warps = max(1, min(4, bt * r_p2 * itemsize // 512))
     _mla_kv_write_kernel[(triton.cdiv(t, bt),)](
-        typed_rows(arena, kv_dtype, g.row_width), v2p, virt_loc.contiguous(), kv_nope, k_rope,
-        norm_weight if norm else kv_nope,
-        t, v2p.numel(), layer, layer_num, page_size, kv_nope.stride(0), k_rope.stride(0), float(eps),
-        R=kv_lora_rank, DR=qk_rope_head_dim, R_P2=r_p2, DR_P2=triton.next_power_of_2(qk_rope_head_dim),
-        BLOCK_T=bt, VEC=16 // itemsize, NORM=norm, IN_DTYPE=TL_DTYPES[kv_nope.dtype], PROD_DTYPE=TL_DTYPES[prod],
-        num_warps=warps,
+        typed_rows(arena, kv_dtype, g.row_width), *args, VEC=16 // itemsize, **common, num_warps=warps,
     )
 
 
@@ -225,7 +311,11 @@ def mla_kv_write_triton(
         k_rope: ``[T, Dr]``, same rules; its dtype may differ from ``kv_nope``'s.
         *geometry: the six values of :class:`~.geometry.MLAGeometry` (layer, layer_num, page_size,
             kv_lora_rank, qk_rope_head_dim, kv_dtype: the geometry G of docs/design.md section 4); values are
-            cast to ``kv_dtype`` at the store (round to nearest even).
+            cast to ``kv_dtype`` at the store (round to nearest even). An fp8 ``kv_dtype`` (e4m3fn or
+            e4m3fnuz) writes scaled rows (:class:`~unimem_compile.pool.specs.MLARowFormat`): each 128-value
+            tile of a latent row gets ``scale = max |x| / finfo(kv_dtype).max`` from the values written (0
+            for a tile of zeros) and codes ``fp8(x / scale)``; the rope is rounded to bf16. Bit for bit
+            the bytes of :func:`mla_kv_write_reference` (:func:`.fp8.quantize_rows`).
         block_t: tokens per program (a power of two); default chosen from T.
 
     Lanes write nothing when the location is < 0, past the table, tombstoned or on a physical page <= 0.

@@ -27,7 +27,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule, Node
 
-from unimem_compile.ops.common import KERNEL_KV_DTYPES, SLOT_ARGUMENTS, SLOT_FOOTPRINTS
+from unimem_compile.ops.common import COMPUTE_DTYPES, SLOT_ARGUMENTS, SLOT_FOOTPRINTS
 
 __all__ = [
     "log",
@@ -518,7 +518,7 @@ def strip_upcast(node: Any, skipped: list | None = None) -> Any:
     cast = cast_of(node)
     if cast is not None and cast[1] == torch.float32:
         src = tensor_value(cast[0])
-        if src is not None and src.dtype in KERNEL_KV_DTYPES:
+        if src is not None and src.dtype in COMPUTE_DTYPES:
             if skipped is not None:
                 skipped.append(node)
             return strip_noops(cast[0], skipped=skipped)

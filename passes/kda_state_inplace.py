@@ -34,7 +34,7 @@ import torch
 from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
-from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.common import COMPUTE_DTYPES
 
 from .common import (
     Refused,
@@ -262,7 +262,7 @@ class KDAStateInplace(Rewrite):
                     "g": (g, (batch, 1, heads, dk)), "beta": (beta, (batch, 1, heads))}
         for label, (node, shape) in expected.items():
             val = tensor_value(node)
-            if val is None or tuple(val.shape) != shape or val.dtype not in KERNEL_KV_DTYPES:
+            if val is None or tuple(val.shape) != shape or val.dtype not in COMPUTE_DTYPES:
                 raise Refused(f"{label} is not a float [{', '.join(map(str, shape))}] tensor")
         if tensor_value(g).dtype != torch.float32 or tensor_value(last).dtype != torch.float32:
             raise Refused("g or the written-back state is not fp32")

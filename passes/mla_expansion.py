@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
-from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.common import COMPUTE_DTYPES
 from unimem_compile.ops.geometry import MLAGeometry
 
 from .common import (
@@ -348,7 +348,7 @@ def match_expansion(gather: Node, accept_query: Callable[[object], None]) -> Exp
     Checked here: the gather read only by the latent / rope slices (after an optional cast); a bias-free
     ``F.linear`` of the latent by a ``[H * (dn + dv), R]`` weight; the view / transpose / split into
     ``k_nope`` and ``v``; the key assembled from this history's ``k_nope`` and ``k_rot``; a query
-    ``[B, H, T, dn + Dr]``; dropout 0; query, weight and values of one dtype in ``KERNEL_KV_DTYPES``; no
+    ``[B, H, T, dn + Dr]``; dropout 0; query, weight and values of one dtype in ``COMPUTE_DTYPES``; no
     node of the chain used outside it. Not checked (each rewrite's own): the query length, ``is_causal``,
     the mask and the prefix slices.
 
@@ -440,8 +440,8 @@ def match_expansion(gather: Node, accept_query: Callable[[object], None]) -> Exp
     for name, node in (("kv_b_proj weight", weight), ("expanded values", v)):
         if value(node).dtype != q_dtype:
             raise Refused(f"the {name} are {value(node).dtype}, the query {q_dtype}")
-    if q_dtype not in KERNEL_KV_DTYPES:
-        raise Refused(f"the query is {q_dtype}; the MLA kernels take {KERNEL_KV_DTYPES}")
+    if q_dtype not in COMPUTE_DTYPES:
+        raise Refused(f"the query is {q_dtype}; the MLA kernels take {COMPUTE_DTYPES}")
 
     prefix = k_prefix + v_prefix
     matched = [*att.nodes, *prefix, *key_nodes, *expands, split, k_nope, v, transpose, view, linear, latent,

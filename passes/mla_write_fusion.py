@@ -27,7 +27,7 @@ import operator
 import torch
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
-from unimem_compile.ops.common import KERNEL_KV_DTYPES
+from unimem_compile.ops.common import COMPUTE_DTYPES
 from unimem_compile.ops.geometry import MLAGeometry
 
 from .common import (
@@ -129,8 +129,8 @@ class MLAWriteFusion(Rewrite):
             raise Refused(f"the RMSNorm weight {describe(weight)} is not a [{rank}] vector")
         for name, node in (("input", x), ("weight", weight)):
             dtype = value(node).dtype
-            if dtype not in KERNEL_KV_DTYPES:
-                raise Refused(f"the RMSNorm {name} is {dtype}; the fused kernel takes {KERNEL_KV_DTYPES}")
+            if dtype not in COMPUTE_DTYPES:
+                raise Refused(f"the RMSNorm {name} is {dtype}; the fused kernel takes {COMPUTE_DTYPES}")
         if not value(weight).is_contiguous():
             raise Refused("the RMSNorm weight is not contiguous")
         matched = [write, *views, *norm]

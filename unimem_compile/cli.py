@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -32,6 +33,10 @@ def _pool_info(args: argparse.Namespace) -> int:
         print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
         return 2
     kv, state = geometry(args.geometry)
+    if args.kv_dtype is not None and kv is not None:
+        from .options import kv_dtype_of
+
+        kv = dataclasses.replace(kv, dtype=kv_dtype_of(args.kv_dtype))
     try:
         if args.tp is None:
             info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
@@ -49,6 +54,9 @@ def _pool_info(args: argparse.Namespace) -> int:
     print(f"geometry            {info['geometry']}")
     print(f"budget              {info['budget_bytes']:,} bytes ({args.budget_gib:g} GiB)"
           + (f" per rank of {info['tp']}: full latent rows, 1/{info['tp']} of every state" if "tp" in info else ""))
+    if kv is not None:
+        print(f"KV rows             {str(kv.dtype).replace('torch.', '')}, {kv.entry_bytes:,} bytes per token per layer"
+              + (" (fp8 latent + fp32 scale per 128 values + bf16 rope, padded to 16 bytes)" if kv.scaled_rows else ""))
     print(f"page size           {info['page_size']} tokens, {info['page_bytes']:,} bytes per page envelope")
     hybrid = info["slot_bytes"] > 0 and info["page_bytes"] > 0
     if info["slot_bytes"]:
@@ -81,7 +89,8 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run_demo(args.model, args.device, dtype, new_tokens=args.new_tokens, backend=args.backend,
-                          page_size=args.page_size, passes=not args.no_passes, cudagraphs=args.cudagraphs)
+                          page_size=args.page_size, passes=not args.no_passes, cudagraphs=args.cudagraphs,
+                          kv_dtype=args.kv_dtype)
     except DemoArgumentError as e:  # refused before anything runs
         print(f"unimem-compile demo: {e}", file=sys.stderr)
         return 2
@@ -93,6 +102,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .options import SHORT_DTYPE_NAMES
     from .pool import GEOMETRIES
 
     parser = argparse.ArgumentParser(prog="unimem-compile", description=__doc__)
@@ -109,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
     d.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
+    d.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
+                   help="the compiled model's KV dtype (default: the model's); fp8_e4m3 (= fp8_e4m3fn) or "
+                        "fp8_e4m3fnuz: scaled fp8 rows, parity then compares teacher-forced logits with stock "
+                        "transformers'")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
     d.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for decode (default: on for CUDA, off elsewhere)")
@@ -119,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES))
     p.add_argument("--budget-gib", type=float, default=40.0, help="arena size in GiB (default 40)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
+                   help="KV dtype of the geometry's MLA rows (default: the geometry's, bf16); fp8_e4m3 sizes "
+                        "scaled fp8 rows (656 bytes per token and layer at 512 + 64)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree: the figures of ONE rank's arena of --budget-gib (full latent rows, "
                         "1/N of the KDA heads' states); the JSON gains the key tp")

@@ -174,7 +174,9 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
             memory includes what PyTorch's caching allocator holds unused).
         page_size: tokens per KV page.
         kv_dtype: dtype of the cached latent rows (None: the model's dtype); a name ("bfloat16", "bf16")
-            works too.
+            works too. ``"fp8_e4m3"`` (``torch.float8_e4m3fn``) or ``torch.float8_e4m3fnuz``: scaled fp8 rows
+            (656 bytes per token and MLA layer at 512 + 64 instead of 1152; docs/design.md section 3.3),
+            quantised by the write op, read back as bf16.
         passes: True runs every rewrite, False none, or a collection of rewrite names
             (``mla_write_fusion``, ``mla_absorb``, ``kda_state_inplace``, ``conv_state_inplace``).
         backend: the inner ``torch.compile`` backend ("inductor", "aot_eager", "eager", ...).

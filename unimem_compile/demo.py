@@ -12,7 +12,8 @@ runner's own clock (``model.unimem.timed_decode()``) for the compiled model, sin
 send the call to transformers' own loop)
 
 then reports parity (fp32: greedy tokens identical; bf16: teacher-forced logits as close to an fp32 run
-of the same weights as stock transformers' bf16 logits are, see BF16_ERROR_FACTOR), warm
+of the same weights as stock transformers' bf16 logits are, see BF16_ERROR_FACTOR; fp8 KV: teacher-forced
+logits within :func:`fp8_sanity_bound` of stock transformers' at the model's dtype), warm
 decode tokens/s of both, compile time, the pool's statistics, the rewrites made, and the achieved
 bandwidth (bytes one decode step must move / its time).
 """
@@ -24,7 +25,8 @@ import time
 
 import torch
 
-__all__ = ["PROMPTS", "ByteTokenizer", "StepClock", "run_demo", "teacher_forced_logits", "decode_step_bytes"]
+__all__ = ["PROMPTS", "ByteTokenizer", "StepClock", "run_demo", "teacher_forced_logits", "decode_step_bytes",
+           "compare_logits", "fp8_tolerance", "fp8_sanity_bound", "unit_roundoff"]
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog while",
@@ -168,19 +170,112 @@ def teacher_forced_logits(model, ids, mask, continuation) -> torch.Tensor:
     return torch.stack([step.float() for step in out.logits], 1)
 
 
+def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How far teacher-forced logits ``got`` lie from ``ref`` (both ``[B, N, vocab]``, fp32, the same forced
+    tokens).
+
+    Returns a dict: ``mean_abs`` / ``max_abs`` (|logit difference| over every logit), ``median_position``
+    (the median over the ``B * N`` positions of each position's mean |difference|), ``kl_mean`` /
+    ``kl_median`` (the KL divergence ``KL(softmax(ref) || softmax(got))`` of the next-token distributions,
+    in nats, mean and median over positions), ``top1_agreement`` (fraction of positions whose argmax
+    agrees) and ``positions``.
+    """
+    diff = (got - ref).abs()
+    # in float64: the KL of a bf16-sized logit change (~1e-8) is below fp32's rounding of the sum
+    log_p, log_q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)  # rounding can make a tiny KL negative
+    return {
+        "mean_abs": float(diff.mean()),
+        "max_abs": float(diff.max()),
+        "median_position": float(diff.mean(-1).median()),
+        "kl_mean": float(kl.mean()),
+        "kl_median": float(kl.median()),
+        "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "positions": int(kl.numel()),
+    }
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next value of ``dtype``: the largest relative error of rounding a
+    normal value to it (2^-8 for bf16, 2^-11 for fp16, 2^-4 for e4m3)."""
+    return torch.finfo(dtype).eps / 2
+
+
+#: Allowance for the sampling noise of a median over the demo's / the tests' positions (a few hundred) and
+#: for second-order effects, on top of the first-order ratio in :func:`fp8_tolerance`.
+FP8_NOISE_FACTOR = 2.0
+
+
+def fp8_tolerance(fp8_dtype: torch.dtype, scale_dtype: torch.dtype, scale: dict) -> dict:
+    """The bounds fp8 KV's teacher-forced logits are held to in the tests, against the run without it.
+
+    ``scale`` is :func:`compare_logits` of a run whose KV rows alone are rounded to ``scale_dtype``, against
+    the same reference. To first order the logits respond linearly to the rows' rounding errors, whose
+    distribution has the same shape for every float format, scaled by its unit roundoff u (relative
+    errors spread over +-u; e4m3's tile scale only picks which binade a value falls in); so the fp8 run's
+    |logit errors| are ``r = unit_roundoff(fp8) / unit_roundoff(scale_dtype)`` times the scale run's (16
+    against bf16) and its KL divergences, quadratic in the logit change, ``r^2`` times. Every bound gets
+    :data:`FP8_NOISE_FACTOR` (squared for the KL). First order needs a smooth network: with top-k expert
+    routing a perturbation above a router's margin flips an expert (an O(1) change that stays in the cache),
+    and flips are too rare under bf16 rounding to be scaled, so these bounds hold for models without it
+    (``build_model(..., dense_mlp=True)``); :func:`fp8_sanity_bound` is the demo's for the others.
+
+    Returns ``{"ratio", "mean_abs", "max_abs", "median_position", "kl_mean", "kl_median"}``: the ratio and
+    the bounds of those :func:`compare_logits` keys.
+    """
+    ratio = unit_roundoff(fp8_dtype) / unit_roundoff(scale_dtype)
+    out = {"ratio": ratio}
+    for key in ("mean_abs", "max_abs", "median_position"):
+        out[key] = FP8_NOISE_FACTOR * ratio * scale[key]
+    for key in ("kl_mean", "kl_median"):
+        out[key] = (FP8_NOISE_FACTOR * ratio) ** 2 * scale[key]
+    return out
+
+
+def fp8_sanity_bound(fp8_dtype: torch.dtype, ref: torch.Tensor) -> dict:
+    """The demo's bound on fp8 KV's teacher-forced logits for any model, top-k routed ones included.
+
+    An fp8 row is the exact row times ``(1 + e)`` with ``|e| <= u = unit_roundoff(fp8_dtype)`` (2^-4) per
+    value (ops/fp8.py), and the logits see the rows through attention (a convex combination of values,
+    mixed into a residual stream that carries the rest), so at a typical position they should move by less
+    than ``u`` times their own spread; a store read as another format (e4m3fnuz as e4m3fn doubles every
+    latent) or a misread scale or rope moves them by about the whole spread. Typical = the median over
+    positions, because an expert flip of a top-k router (an O(1) change that lives on in the cache) hits
+    some positions whatever the precision. This is an order-of-magnitude check; the tests hold dense-MLP
+    models to the linear-response bounds of :func:`fp8_tolerance`.
+
+    Args:
+        fp8_dtype: the KV format.
+        ref: the reference run's logits ``[B, N, vocab]``.
+
+    Returns:
+        ``{"logit_spread", "median_position"}``: the median over positions of the mean ``|logit - its
+        position's mean logit|`` of ``ref``, and ``u`` times it (the bound on :func:`compare_logits`'s
+        ``median_position``).
+    """
+    spread = float((ref - ref.mean(-1, keepdim=True)).abs().mean(-1).median())
+    return {"logit_spread": spread, "median_position": unit_roundoff(fp8_dtype) * spread}
+
+
 class DemoArgumentError(ValueError):
     """A demo argument refused before anything runs."""
 
 
 def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: torch.dtype | None = None,
              new_tokens: int = 24, backend: str = "inductor", page_size: int = 16, passes=True,
-             cudagraphs: bool | None = None, log=print) -> dict:
+             cudagraphs: bool | None = None, log=print, kv_dtype=None) -> dict:
     """Run the side-by-side comparison and return the ``demo --json`` object (docs/design.md section 5).
+
+    ``kv_dtype``: the compiled model's KV dtype (``compile(kv_dtype=...)``; None: the model's). An fp8 one
+    makes parity the ``"fp8_logits"`` criterion: the compiled run's teacher-forced logits against stock
+    transformers' (whose KV is the model's dtype: fp32 on the CPU, bf16 on CUDA) within
+    :func:`fp8_sanity_bound`, with the comparison's figures (:func:`compare_logits`) in
+    ``parity_detail["fp8_vs_reference"]``.
 
     Raises:
         DemoArgumentError (a ValueError): ``new_tokens`` below 2 (decode speed needs at least one decode
-            step after the prefill token), ``page_size`` not positive, or a ``backend`` torch.compile does
-            not know; checked before anything runs.
+            step after the prefill token), ``page_size`` not positive, a ``backend`` torch.compile does
+            not know, or a ``kv_dtype`` that names no dtype; checked before anything runs.
     """
     import transformers
 
@@ -195,6 +290,14 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
         raise DemoArgumentError(f"unknown torch.compile backend {backend!r}; known: {sorted(backends)}")
+    from unimem_compile.options import kv_dtype_of
+    from unimem_compile.pool.specs import FP8_KV_DTYPES
+
+    try:
+        kv_dtype = kv_dtype_of(kv_dtype)
+    except TypeError as e:
+        raise DemoArgumentError(str(e)) from None
+    fp8_kv = kv_dtype in FP8_KV_DTYPES
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     tok = ByteTokenizer()
@@ -209,7 +312,9 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     ref_decode_t = min(r[2] for r in runs)
     forced = ref_out[:, prompt:]
     stock_logits = fp32_logits = None
-    if dtype != torch.float32:
+    if fp8_kv:
+        stock_logits = teacher_forced_logits(model, ids, mask, forced)
+    elif dtype != torch.float32:
         stock_logits = teacher_forced_logits(model, ids, mask, forced)
         model32 = copy.deepcopy(model).float()  # the same weights, upcast exactly
         fp32_logits = teacher_forced_logits(model32, ids, mask, forced)
@@ -218,7 +323,7 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     # 2. unimem-compile
     max_seq_len = prompt + new_tokens
     unimem_compile.compile(model, max_batch_size=batch, max_seq_len=max_seq_len, page_size=page_size,
-                           backend=backend, passes=passes, cudagraphs=cudagraphs)
+                           backend=backend, passes=passes, cudagraphs=cudagraphs, kv_dtype=kv_dtype)
     first_out, first_t, _ = _timed_generate(model, ids, mask, new_tokens, dev)  # compiles prefill and decode
     runs = [_timed_generate(model, ids, mask, new_tokens, dev) for _ in range(TIMED_RUNS)]
     out = runs[0][0]
@@ -226,8 +331,17 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     decode_t = min(r[2] for r in runs)
 
     tokens_identical = bool(all(torch.equal(r[0], ref_out) for r in runs) and torch.equal(first_out, ref_out))
-    errors = None
-    if dtype == torch.float32:
+    errors = fp8_detail = None
+    if fp8_kv:
+        got = teacher_forced_logits(model, ids, mask, forced)
+        comparison = compare_logits(got, stock_logits)
+        bound = fp8_sanity_bound(kv_dtype, stock_logits)
+        criterion, tolerance, max_diff = "fp8_logits", bound["median_position"], comparison["max_abs"]
+        parity = comparison["median_position"] <= tolerance
+        fp8_detail = {"kv_dtype": str(kv_dtype).replace("torch.", ""),
+                      "reference": f"stock transformers, {str(dtype).replace('torch.', '')} KV",
+                      "fp8_vs_reference": comparison, "logit_spread": bound["logit_spread"]}
+    elif dtype == torch.float32:
         criterion, tolerance, max_diff = "tokens", 0.0, None
         parity = tokens_identical
     else:
@@ -265,6 +379,9 @@ def run_demo(model_name: str = "kimi-linear-tiny", device: str = "cpu", dtype: t
     if errors is not None:
         # bf16: tolerance bounds unimem's mean |logit - fp32 logit|, next to stock transformers' own
         result["parity_detail"]["mean_abs_error_vs_fp32"] = errors
+    if fp8_detail is not None:
+        # fp8 KV: tolerance bounds the median position's mean |logit - stock logit| (fp8_sanity_bound)
+        result["parity_detail"].update(fp8_detail)
     texts = [(tok.decode(ids[i][mask[i].bool()]), tok.decode(out[i, prompt:])) for i in range(batch)]
     result["_texts"] = texts
     # for the text report (not a docs/design.md key): the compile estimate is a difference of noisy timings
@@ -280,13 +397,21 @@ def format_report(r: dict) -> str:
         lines.append(f"  {prompt!r} -> {cont!r}")
     lines.append("  (random weights: the continuations are noise; what matters is that both generations agree)")
     d = r["parity_detail"]
+    detail = ""
+    if d["criterion"] == "logits":
+        detail = (f", mean |logit - fp32| unimem {d['mean_abs_error_vs_fp32']['unimem']:.3g} vs stock "
+                  f"{d['mean_abs_error_vs_fp32']['stock']:.3g} (bound {d['tolerance']:.3g}), max |unimem - stock| "
+                  f"{d['max_abs_logit_diff']:.3g}")
+    elif d["criterion"] == "fp8_logits":
+        c = d["fp8_vs_reference"]
+        detail = (f"; {d['kv_dtype']} KV vs {d['reference']} over {c['positions']} positions: |logit diff| "
+                  f"median position {c['median_position']:.3g} (bound {d['tolerance']:.3g}), mean "
+                  f"{c['mean_abs']:.3g}, max {c['max_abs']:.3g}; KL mean {c['kl_mean']:.3g}; top-1 agreement "
+                  f"{c['top1_agreement']:.3f}")
     lines += [
         "",
         f"parity              {'OK' if r['parity'] else 'FAILED'} ({d['criterion']}: tokens identical = "
-        f"{d['tokens_identical']}" + (
-            f", mean |logit - fp32| unimem {d['mean_abs_error_vs_fp32']['unimem']:.3g} vs stock "
-            f"{d['mean_abs_error_vs_fp32']['stock']:.3g} (bound {d['tolerance']:.3g}), max |unimem - stock| "
-            f"{d['max_abs_logit_diff']:.3g}" if d["criterion"] == "logits" else "") + ")",
+        f"{d['tokens_identical']}{detail})",
         f"decode tokens/s     unimem-compile {r['tokens_per_s']:.1f}   stock transformers "
         f"{r['reference_tokens_per_s']:.1f}   ({r['tokens_per_s'] / r['reference_tokens_per_s']:.2f}x)"
         + ("   [CPU, tiny model: host overhead, not memory traffic; see benchmarks/RESULTS.md for GPU figures]"

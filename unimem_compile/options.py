@@ -19,8 +19,11 @@ from .errors import GeometryError
 
 __all__ = ["CompileOptions"]
 
-#: the short dtype names the demo CLI and the README use, for compile(kv_dtype=...)
-_SHORT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: the short dtype names the demo CLI and the README use, for compile(kv_dtype=...). "fp8_e4m3" is OCP e4m3
+#: (torch.float8_e4m3fn, what NVIDIA GPUs and FlashMLA use) on every device; the FNUZ variant of AMD's
+#: MI300 is asked for by its own name.
+SHORT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+                     "fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz"}
 
 
 @functools.cache
@@ -28,14 +31,15 @@ def _backend_names() -> tuple[str, ...]:
     return tuple(torch._dynamo.list_backends(exclude_tags=()))
 
 
-def _dtype(kv_dtype) -> torch.dtype | None:
+def kv_dtype_of(kv_dtype) -> torch.dtype | None:
     """``kv_dtype`` as a torch dtype: a dtype, its name as transformers' ``dtype=`` takes it ("bfloat16",
-    "torch.bfloat16") or a short name ("bf16"), or None."""
+    "torch.bfloat16", "float8_e4m3fn") or a short name of :data:`SHORT_DTYPE_NAMES` ("bf16", "fp8_e4m3"),
+    or None. TypeError for anything else (the message lists the short names)."""
     if isinstance(kv_dtype, str):
-        name = _SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
+        name = SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
         if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype (e.g. 'bfloat16', 'bf16', "
-                            "'float16', 'fp16', 'float32', 'fp32')")
+            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype (e.g. 'bfloat16', 'float8_e4m3fn' "
+                            f"or a short name: {', '.join(repr(n) for n in SHORT_DTYPE_NAMES)})")
         return getattr(torch, name)
     if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
         raise TypeError(f"kv_dtype must be a torch.dtype, a dtype name or None, got {kv_dtype!r}")
@@ -71,7 +75,7 @@ class CompileOptions:
             (``max_batch_size`` full rows and their states). A numpy or other integer type becomes an int.
         page_size: tokens per KV page (a positive int).
         kv_dtype: the cached latent rows' dtype, None for the model's; a name given ("bfloat16", "bf16",
-            "torch.float16") becomes the torch dtype.
+            "torch.float16", "fp8_e4m3" = ``torch.float8_e4m3fn``, "fp8_e4m3fnuz") becomes the torch dtype.
         passes: the rewrites to run: True (all of :data:`~unimem_compile.passes.REWRITE_NAMES`), False
             (none), or a name or a collection of names; held as the frozenset of the names after the check.
         backend: the inner ``torch.compile`` backend, a registered backend name.
@@ -120,7 +124,7 @@ class CompileOptions:
             raise TypeError(f"deferred_stop_check must be one of None, False, True, got {self.deferred_stop_check!r}")
         if self.tensor_parallel is not True and self.tensor_parallel is not False:
             raise TypeError(f"tensor_parallel must be False or True, got {self.tensor_parallel!r}")
-        object.__setattr__(self, "kv_dtype", _dtype(self.kv_dtype))
+        object.__setattr__(self, "kv_dtype", kv_dtype_of(self.kv_dtype))
         for name in ("max_batch_size", "max_seq_len", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -58,7 +58,23 @@ def test_generate_smoke_records_all_four_systems_then_resumes_without_rerunning(
     assert json.loads((fresh / "kimi-linear-tiny_b2_p24.json").read_text()) == rec
 
 
+def test_generate_smoke_with_fp8_kv_records_the_fp8_system(tmp_path):
+    bench = _script("bench_generate")
+    out, bundle = tmp_path / "gen", tmp_path / "generate_fp8.json"
+    assert bench.main(["--device", "cpu", "--smoke", "--configs", "kimi-linear-tiny_b2_p24", "--kv-dtype", "fp8_e4m3",
+                       "--systems", "unimem_fp8", "--out", str(out), "--bundle", str(bundle)]) == 0
+    rec = json.loads(bundle.read_text())["kimi-linear-tiny_b2_p24"]
+    s = rec["systems"]["unimem_fp8"]
+    assert "error" not in s and list(rec["systems"]) == ["unimem_fp8"] and rec["kv_dtype"] == "fp8_e4m3"
+    assert s["kv_dtype"] == "float8_e4m3fn" and s["decode_tokens_per_s"] > 0 and s["decode_steps"] == 3
+    assert s["pool"]["page_bytes"] == 64 * 2 * 112  # 2 MLA layers of scaled fp8 rows (64 + 4 + 32 -> 112 bytes)
+    assert rec["complete"] is False  # (c) unimem, the bf16 row beside it, was not run
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--systems", "unimem_fp8"], "unknown --systems ['unimem_fp8']; choose from ['eager', 'static', 'unimem', "
+                                  "'handloop'] "
+                                  "(unimem_fp8 needs --kv-dtype)"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 1"),
     (["--new-tokens", "0"], "--new-tokens must be >= 2 (decode speed needs a decode step), got 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),

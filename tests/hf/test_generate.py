@@ -616,8 +616,9 @@ def test_a_generation_config_does_not_trigger_transformers_mixed_arguments_warni
 
 
 def test_cache_dtypes_the_ops_cannot_compute_in_are_refused_at_compile():
-    for dtype in (torch.float8_e4m3fn, torch.int8):
-        with pytest.raises(GeometryError, match=f"kv_dtype {dtype} is not supported.*bfloat16, float16, float32"):
+    for dtype in (torch.float8_e5m2, torch.int8):
+        with pytest.raises(GeometryError, match=f"kv_dtype {dtype} is not supported.*bfloat16, float16, float32, "
+                                                "float8_e4m3fn, float8_e4m3fnuz"):
             unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
                                    kv_dtype=dtype, backend="aot_eager")
 

@@ -19,6 +19,9 @@ def test_options_are_normalised_once():
     assert type(o.memory_budget) is int
     assert CompileOptions(max_batch_size=1, max_seq_len=8).passes == frozenset(REWRITE_NAMES)
     assert CompileOptions(max_batch_size=1, max_seq_len=8, passes=False, kv_dtype="torch.float16").passes == frozenset()
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e4m3fn", torch.float8_e4m3fn),
+                        ("fp8_e4m3fnuz", torch.float8_e4m3fnuz), ("float8_e4m3fnuz", torch.float8_e4m3fnuz)):
+        assert CompileOptions(max_batch_size=1, max_seq_len=8, kv_dtype=name).kv_dtype == dtype
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.page_size = 16
 

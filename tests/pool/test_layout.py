@@ -29,9 +29,35 @@ def test_mla_spec_byte_math():
 
 
 @pytest.mark.parametrize("dtype", sorted(FP8_DTYPES, key=str))
-def test_fp8_kv_is_stored_as_uint8(dtype):
-    spec = MLASpec(2, 512, 64, dtype)
-    assert spec.store_dtype == torch.uint8 and spec.entry_bytes == 576
+def test_fp8_mla_rows_are_scaled_uint8_rows_of_656_bytes(dtype):
+    # 512 fp8 latents, 4 fp32 scales (one per 128), 64 bf16 rope values: FlashMLA's fp8 KV row
+    spec = MLASpec(7, 512, 64, dtype)
+    fmt = spec.row_format
+    assert spec.store_dtype == torch.uint8 and spec.scaled_rows
+    assert (fmt.scale_offset, fmt.num_scales, fmt.rope_offset, fmt.row_bytes) == (512, 4, 528, 656)
+    assert spec.entry_bytes == spec.row_elements == 656 and spec.kv_cache_dim == 576
+    assert spec.page_bytes(64) == 64 * 7 * 656
+    assert fmt.compute_dtype == fmt.rope_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("r, dr, offsets", [
+    (64, 16, (64, 1, 68, 112)),      # the tiny models: one scale for 64 values, 100 bytes padded to 112
+    (200, 8, (200, 2, 208, 224)),    # a partial last tile
+    (130, 64, (132, 2, 140, 272)),   # R not a multiple of 4: the scales start 4-byte aligned
+])
+def test_fp8_row_offsets_for_other_ranks(r, dr, offsets):
+    fmt = MLASpec(1, r, dr, torch.float8_e4m3fn).row_format
+    assert (fmt.scale_offset, fmt.num_scales, fmt.rope_offset, fmt.row_bytes) == offsets
+
+
+def test_unscaled_rows_keep_their_byte_math():
+    for dtype, isz in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
+        spec = MLASpec(7, 512, 64, dtype)
+        fmt = spec.row_format
+        assert not spec.scaled_rows and fmt.num_scales == 0 and fmt.compute_dtype == dtype
+        assert spec.entry_bytes == fmt.row_bytes == 576 * isz and fmt.rope_offset == 512 * isz
+    # fp8 MHA rows (byte math only) stay one byte per value
+    assert MHASpec(2, 4, 64, dtype=torch.float8_e4m3fn).entry_bytes == 512
 
 
 def test_mha_spec_byte_math():
@@ -197,12 +223,16 @@ def test_fp8_round_trip_through_the_pool_is_bit_exact(dtype):
     pages = pool.alloc_pages(2)
     t = torch.tensor([pages[0] * 16 + 3, pages[1] * 16 + 15, pages[0] * 16])
     g = torch.Generator().manual_seed(7)
-    bits = torch.randint(0, 256, (3, 80), dtype=torch.uint8, generator=g)  # every byte pattern incl. NaNs
-    values = bits.view(dtype)
-    pool.write_kv(1, t, values)
+    bits = torch.randint(0, 256, (3, 112), dtype=torch.uint8, generator=g)  # every byte pattern incl. NaNs
+    pool.write_kv(1, t, bits)
     back = pool.read_kv(1, t)
-    assert back.dtype == dtype
-    assert torch.equal(back.view(torch.uint8), bits)
+    assert back.dtype == torch.uint8 and back.shape == (3, 112)  # a scaled row mixes formats: bytes
+    assert torch.equal(back, bits)
+    assert pool.kv_views()[1].shape[1:] == (1, 112) and pool.kv_views()[1].dtype == torch.uint8
+    with pytest.raises(TypeError, match="rows must be torch.uint8"):
+        pool.write_kv(1, t, bits.view(dtype))
+    with pytest.raises(GeometryError, match=r"rows must be \[3, 112\]"):
+        pool.write_kv(1, t, bits[:, :80])
 
 
 def test_budget_for_without_pages_or_without_states():

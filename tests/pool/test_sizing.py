@@ -71,6 +71,21 @@ def test_pool_info_cli_prints_the_design_keys(capsys):
     assert "16 tokens" in capsys.readouterr().out
 
 
+def test_pool_info_sizes_fp8_rows_with_the_same_keys(capsys):
+    assert main(["pool-info", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main(["pool-info", "--kv-dtype", "fp8_e4m3", "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert set(fp8) == set(bf16) and fp8["slot_bytes"] == bf16["slot_bytes"]
+    assert fp8["page_bytes"] == 64 * 7 * 656 and bf16["page_bytes"] == 64 * 7 * 1152
+    layout = ArenaLayout(40 * GIB, 64, MLASpec(7, 512, 64, torch.float8_e4m3fn), geometry("kimi-linear-48b")[1])
+    assert fp8["max_kv_tokens"] == layout.max_kv_tokens  # counts fp8 rows: 1.76x the bf16 figure
+    assert 1.75 < fp8["max_kv_tokens"] / bf16["max_kv_tokens"] < 1.76
+    assert fp8["request_4096"]["bytes_needed"] == 4096 * 7 * 656 + geometry("kimi-linear-48b")[1].raw_bytes
+    assert main(["pool-info", "--kv-dtype", "fp8_e4m3fnuz"]) == 0
+    assert "float8_e4m3fnuz, 656 bytes per token per layer" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--page-size", "0"], "--page-size must be a positive number of tokens, got 0"),
     (["--budget-gib", "-1"], "--budget-gib must be a positive, finite number of GiB, got -1"),

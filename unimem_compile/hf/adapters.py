@@ -100,14 +100,15 @@ def adapter_for(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
 
     Args:
         model: the Hugging Face model.
-        kv_dtype: dtype of the latent KV rows (None: the model's dtype).
+        kv_dtype: dtype of the latent KV rows (None: the model's dtype); an fp8 one (e4m3fn, e4m3fnuz)
+            makes the rows scaled fp8 rows whose rope is bf16 whatever the model's dtype.
 
     Raises:
         UnsupportedModel: the family is not supported (the message lists the supported ones), or its
             config lacks what the pool needs.
         GeometryError: ``kv_dtype`` (or the model's dtype) is not one of
             :data:`~unimem_compile.pool.specs.KERNEL_KV_DTYPES`, the dtypes its write and attention ops
-            compute in (the pool itself also stores fp8 rows, for code that quantises its own).
+            read and write (the pool itself also stores e5m2 rows, which no op reads).
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -121,7 +122,7 @@ def adapter_for(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
     if kv_dtype not in KERNEL_KV_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES)
         raise GeometryError(f"kv_dtype {kv_dtype} is not supported for a model's cache (the write and attention "
-                            f"ops compute in {names}); pass kv_dtype= one of those")
+                            f"ops read and write {names}); pass kv_dtype= one of those")
     n = int(config.num_hidden_layers)
     if family == "kimi_linear":
         layer_types = list(getattr(config, "layer_types", None) or [])

@@ -73,12 +73,21 @@ def model_config(name: str):
 
 
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int = 0, attn_implementation: str = "sdpa"):
-    """A preset model with random weights (seeded), in eval mode, on ``device`` in ``dtype``."""
+                seed: int = 0, attn_implementation: str = "sdpa", dense_mlp: bool = False):
+    """A preset model with random weights (seeded), in eval mode, on ``device`` in ``dtype``.
+
+    ``dense_mlp``: every mixture-of-experts MLP becomes a dense one (same attention, KDA and cache
+    geometry): a network without top-k routing, whose outputs respond smoothly to small changes of its
+    inputs (the fp8 KV accuracy tests need that; a router picks another expert on a tiny change)."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(name)
     config._attn_implementation = attn_implementation
+    if dense_mlp:
+        if config.model_type == "kimi_linear":
+            config.mlp_layer_types = ["dense"] * config.num_hidden_layers
+        else:
+            config.first_k_dense_replace = config.num_hidden_layers
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

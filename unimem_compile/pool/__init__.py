@@ -9,12 +9,15 @@ from .page_table import PageTables
 from .sizing import GEOMETRIES, geometry, max_requests, padded_group_bytes, pool_info
 from .specs import (
     ALIGN,
+    COMPUTE_DTYPES,
     FP8_DTYPES,
+    FP8_KV_DTYPES,
     KERNEL_KV_DTYPES,
     KV_STORE_DTYPES,
     LinearLayerStateSpec,
     LinearStateSpec,
     MHASpec,
+    MLARowFormat,
     MLASpec,
     StateSection,
     store_dtype_of,
@@ -24,7 +27,9 @@ from .unified import POISON_BYTE, PoolStats, UnifiedPool, kv_dense_views, state_
 
 __all__ = [
     "ALIGN",
+    "COMPUTE_DTYPES",
     "FP8_DTYPES",
+    "FP8_KV_DTYPES",
     "GEOMETRIES",
     "KERNEL_KV_DTYPES",
     "KV_STORE_DTYPES",
@@ -33,6 +38,7 @@ __all__ = [
     "LinearLayerStateSpec",
     "LinearStateSpec",
     "MHASpec",
+    "MLARowFormat",
     "MLASpec",
     "Move",
     "MultiEndedAllocator",

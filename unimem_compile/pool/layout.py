@@ -4,7 +4,8 @@ One uint8 arena of exactly ``memory_budget`` bytes holds both sub-pools. Both si
 
 * KV page ``p`` occupies ``[p * page_bytes, (p + 1) * page_bytes)``; pages grow DOWN from
   ``num_pages - 1``. A page envelope is page-major: ``[L0 x ps rows | L1 x ps rows | ...]``, so token slot
-  ``s`` of page ``p`` in layer ``l`` is D-wide row ``p*ps*L + l*ps + s`` counted from byte 0.
+  ``s`` of page ``p`` in layer ``l`` is row ``p*ps*L + l*ps + s`` counted in rows of ``entry_bytes`` from
+  byte 0 (D values of the KV dtype, or a scaled fp8 row: ``MLARowFormat``).
 * State slot ``s`` occupies ``[s * slot_bytes, (s + 1) * slot_bytes)``; slots grow UP from the first slot.
 * The sink ``[0, sink_floor)`` with ``sink_floor = round_up(max(page_bytes, slot_bytes), 16)`` is zeroed at
   creation and never written; physical page 0 and slot 0 lie inside it.

@@ -39,8 +39,9 @@ def _typed(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def kv_dense_views(arena: torch.Tensor, layout: ArenaLayout) -> list[torch.Tensor]:
-    """Per-layer dense views of the KV rows: for layer ``l`` a ``[num_pages * L * ps, 1, D]`` tensor of the
-    store dtype whose row ``r`` is arena row ``r + l * ps`` (``torch.as_strided``; the views overlap).
+    """Per-layer dense views of the KV rows: for layer ``l`` a ``[num_pages * L * ps, 1, W]`` tensor of the
+    store dtype whose row ``r`` is arena row ``r + l * ps`` (``torch.as_strided``; the views overlap). ``W``
+    is ``kv.row_elements``: D values, or for fp8 MLA rows the ``row_bytes`` bytes of the scaled row (uint8).
 
     Row ``translate_kv_loc_dense(v2p, t, ps, L)`` of view ``l`` is token ``t``'s row in layer ``l``.
 
@@ -64,7 +65,7 @@ def kv_dense_views(arena: torch.Tensor, layout: ArenaLayout) -> list[torch.Tenso
             f"{need - layout.num_pages * layout.page_bytes} bytes)"
         )
     typed = _typed(arena, layout.kv.store_dtype)
-    d, ps, L = layout.kv_cache_dim, layout.page_size, layout.layer_num
+    d, ps, L = layout.kv.row_elements, layout.page_size, layout.layer_num
     rows = layout.num_pages * L * ps
     return [typed.as_strided((rows, 1, d), (d, d, 1), l * ps * d) for l in range(L)]
 
@@ -344,8 +345,10 @@ class UnifiedPool:
         return translate_kv_loc_dense(self.v2p, loc, lay.page_size, lay.layer_num)
 
     def write_kv(self, layer: int, virt_loc: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``rows [T, D]`` (the KV dtype; fp8 given as fp8 or uint8) for tokens ``virt_loc [T]`` of
-        ``layer``. Lanes whose location is < 0 or on a tombstoned page write nothing.
+        """Write ``rows`` for tokens ``virt_loc [T]`` of ``layer``: ``[T, D]`` of the KV dtype (an fp8 one
+        may be given as uint8), or for fp8 MLA rows ``[T, row_bytes]`` uint8 scaled rows as the ops lay them
+        out (the pool moves bytes; quantising is the write op's job). Lanes whose location is < 0 or on a
+        tombstoned page write nothing.
 
         Raises:
             GeometryError: bad layer or shapes. TypeError: ``rows`` not a tensor or not of the KV dtype.
@@ -356,11 +359,14 @@ class UnifiedPool:
         virt_loc = _int_ids(virt_loc, "a virtual token location")
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"rows must be a tensor, got {type(rows).__name__}")
-        if rows.dim() != 2 or rows.shape != (virt_loc.numel(), lay.kv_cache_dim):
-            raise GeometryError(f"rows must be [{virt_loc.numel()}, {lay.kv_cache_dim}], got {tuple(rows.shape)}")
+        width = lay.kv.row_elements
+        if rows.dim() != 2 or rows.shape != (virt_loc.numel(), width):
+            raise GeometryError(f"rows must be [{virt_loc.numel()}, {width}], got {tuple(rows.shape)}")
         store = lay.kv.store_dtype
-        if rows.dtype != lay.kv.dtype and not (store == torch.uint8 and rows.dtype == torch.uint8):
-            raise TypeError(f"rows must be {lay.kv.dtype}, got {rows.dtype}")
+        scaled = lay.kv.scaled_rows  # a scaled fp8 row holds bytes of several formats: uint8 only
+        if not (rows.dtype == store or rows.dtype == lay.kv.dtype and not scaled):
+            want = store if scaled else lay.kv.dtype
+            raise TypeError(f"rows must be {want}, got {rows.dtype}")
         loc = virt_loc.reshape(-1).to(self.device, torch.int64)
         dense = self.dense_rows(loc)
         # the sink is never written: not by -1 lanes, tombstones, nor a location on virtual page 0 (whose
@@ -371,12 +377,15 @@ class UnifiedPool:
         view[dense[keep]] = rows.to(self.device).view(store)[keep]
 
     def read_kv(self, layer: int, virt_loc: torch.Tensor) -> torch.Tensor:
-        """Rows ``[T, D]`` of ``layer`` for virtual locations ``[T]`` in the KV dtype (zeros for the sink)."""
+        """Rows of ``layer`` for virtual locations ``[T]`` (zeros for the sink): ``[T, D]`` in the KV dtype,
+        or for fp8 MLA rows ``[T, row_bytes]`` uint8 scaled rows (``unimem_compile.ops.fp8`` dequantises them)."""
         lay = self.layout
         if lay.kv is None or not 0 <= layer < lay.layer_num:
             raise GeometryError(f"KV layer {layer} is out of range [0, {lay.layer_num})")
         rows = self.kv_views()[layer][:, 0][self.dense_rows(_int_ids(virt_loc, "a virtual token location"))]
-        return rows.view(lay.kv.dtype) if lay.kv.store_dtype != lay.kv.dtype else rows
+        if lay.kv.store_dtype == lay.kv.dtype or lay.kv.scaled_rows:
+            return rows
+        return rows.view(lay.kv.dtype)
 
     def physical_slots(self, virtual_slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Physical slot ids of virtual ones (0 for -1 and tombstones).

@@ -1,0 +1,134 @@
+"""mla_decode's split kernel on scaled fp8 rows (Triton interpreter, fp32 queries, both e4m3 formats: e4m3fn
+through the fp8 type's conversion, e4m3fnuz through the integer decoder), against two references on the
+same arena:
+
+* float64 attention over the rows' exact values ``fp32(code) * scale`` (what the kernel computes: it
+  applies each 128-value tile's scale after the dot, so no value is rounded): fp32 sums in another order,
+  held to ``2e-5 x max |value|`` per output (an fp32 dot of a few hundred terms of random sign is good to
+  about ``1e-6`` relative; the margin covers the online softmax's rescalings);
+* :func:`mla_decode_reference`, which reads the bf16 values ``mla_gather`` returns (``bf16(code * scale)``):
+  its values differ from the exact ones by at most ``u = 2^-8`` relative (bf16's unit roundoff), which
+  moves each score by at most ``d = sm_scale x u x sum |q_nope| |k_nope|`` and so each softmax weight by a
+  factor within ``exp(+-2d)``; an output then differs by at most ``max |v| (u + exp(2d) - 1)``, computed
+  per (row, head) from the data, plus the fp32 allowance above.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from unimem_compile.ops import fp8
+from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool
+
+md = importlib.import_module("unimem_compile.ops.mla_decode")
+mw = importlib.import_module("unimem_compile.ops.mla_write")
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+L, LAYER, H, SCALE = 3, 1, 4, 0.11
+U_BF16 = 2.0 ** -8
+
+
+class Fp8Rows:
+    """A poisoned pool (unwritten bytes NaN) of fp8 rows: ragged rows of random latents at several
+    magnitudes (scales spanning binades), written by the quantising write; the exact values kept aside."""
+
+    def __init__(self, fmt, r, dr, page_size, lens, gen):
+        self.geometry = (LAYER, L, page_size, r, dr, fmt)
+        self.r = r
+        n_pages = sum(-(-n // page_size) for n in lens) + 1
+        spec = MLASpec(L, r, dr, fmt)
+        self.pool = UnifiedPool(ArenaLayout.for_capacity(spec, None, page_size, n_pages + 2, 0), poison=True)
+        self.fmt = spec.row_format
+        width = max(1, max(-(-n // page_size) for n in lens))
+        self.page_table = torch.full((len(lens), width), -1, dtype=torch.int32)
+        self.kv_len = torch.tensor(lens, dtype=torch.int32)
+        self.exact = []
+        for b, n in enumerate(lens):
+            pages = self.pool.alloc_pages(-(-n // page_size)) if n else []
+            self.page_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            i = torch.arange(n)
+            loc = torch.tensor(pages, dtype=torch.int64)[i // page_size] * page_size + i % page_size if n else \
+                torch.zeros(0, dtype=torch.int64)
+            for layer in range(L):
+                mag = torch.exp2(torch.randint(-4, 4, (n, 1), generator=gen).float())
+                nope = torch.randn(n, r, generator=gen) * mag
+                rope = torch.randn(n, dr, generator=gen)
+                mw.mla_kv_write_reference(self.pool.arena, self.pool.v2p, loc, nope, rope, layer, L, page_size, r,
+                                          dr, fmt)
+                if layer == LAYER:
+                    self.exact.append(self._exact(self.pool.read_kv(LAYER, loc)))
+
+    def _exact(self, rows):
+        """float64 values of fp8 rows: ``code * scale`` unrounded, the rope as stored."""
+        f = self.fmt
+        codes = rows[:, : self.r].contiguous().view(f.dtype).double()
+        scale = rows[:, f.scale_offset: f.rope_offset].contiguous().view(torch.float32).double()
+        latent = codes * scale.repeat_interleave(128, dim=1)[:, : self.r]
+        rope = rows[:, f.rope_offset: f.rope_offset + 2 * f.qk_rope_head_dim].contiguous().view(torch.bfloat16)
+        return torch.cat([latent, rope.double()], 1)
+
+    def args(self, q_nope, q_rope):
+        return (q_nope, q_rope, self.pool.arena, self.pool.v2p, self.page_table, self.kv_len, SCALE, *self.geometry)
+
+
+def _attention(q_nope, q_rope, rows, r):
+    """float64 softmax attention of one row's heads over ``rows [n, R + Dr]`` (zeros when n == 0), with the
+    bound of the module docstring on the difference a bf16 rounding of the latents makes."""
+    if rows.shape[0] == 0:
+        return torch.zeros(q_nope.shape, dtype=torch.float64), torch.zeros(q_nope.shape[0], dtype=torch.float64)
+    q = torch.cat([q_nope, q_rope], -1).double()
+    out = torch.softmax(q @ rows.T * SCALE, -1) @ rows[:, :r]
+    d = SCALE * U_BF16 * (q_nope.double().abs() @ rows[:, :r].abs().T).amax(-1)  # [H]
+    vmax = rows[:, :r].abs().max()
+    return out, vmax * (U_BF16 + torch.expm1(2 * d))
+
+
+CASES = [  # (R, Dr, page size, lengths): tile count and page layouts of the kernel
+    (256, 32, 16, [37, 0, 70, 1]),  # two full scale tiles, per-token page lookups (32-token tiles)
+    (192, 64, 64, [130, 5]),  # a half-filled second tile, one page per 64-token tile
+    (64, 16, 1, [9, 23]),  # one 64-column tile, a page per token
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("r, dr, page_size, lens", CASES)
+def test_kernel_on_fp8_rows_matches_exact_attention_and_the_reference_within_the_bf16_bound(fmt, r, dr, page_size,
+                                                                                          lens, gen):
+    rows = Fp8Rows(fmt, r, dr, page_size, lens, gen)
+    q_nope, q_rope = torch.randn(len(lens), H, r, generator=gen), torch.randn(len(lens), H, dr, generator=gen)
+    ref = md.mla_decode_reference(*rows.args(q_nope, q_rope)).double()
+    for splits in (1, 3):
+        got = md.mla_decode_triton(*rows.args(q_nope, q_rope), num_splits=splits).double()
+        assert got.shape == (len(lens), H, r) and not bool(got.isnan().any())
+        for b, exact in enumerate(rows.exact):
+            want, bound = _attention(q_nope[b], q_rope[b], exact, r)
+            slack = 2e-5 * float(exact[:, :r].abs().max()) if exact.shape[0] else 0.0
+            assert float((got[b] - want).abs().max()) <= slack, (b, splits)
+            gap = (got[b] - ref[b]).abs().amax(-1)  # [H]
+            assert bool((gap <= bound * 1.001 + 2 * slack).all()), (b, splits, gap, bound)
+    # the bf16 rounding the reference makes is visible: the kernel does not read the rounded values
+    assert float((got - ref).abs().max()) > 0
+
+
+def test_the_kernel_reads_the_format_that_wrote_the_rows(gen):
+    # e4m3fnuz bytes read as e4m3fn double every latent (exponent bias 8 vs 7) and turn the tile maxima's
+    # code 0x7F (240) into NaN: the kernel must decode each format with its own rule
+    r, dr, ps, lens = 128, 16, 16, [20, 33]
+    q_nope, q_rope = torch.randn(2, H, r, generator=gen), torch.randn(2, H, dr, generator=gen)
+    rows = Fp8Rows(torch.float8_e4m3fnuz, r, dr, ps, lens, gen)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope)).double()
+    misread = list(rows.args(q_nope, q_rope))
+    misread[-1] = torch.float8_e4m3fn
+    wrong = md.mla_decode_triton(*misread).double()
+    for b, exact in enumerate(rows.exact):
+        want, _ = _attention(q_nope[b], q_rope[b], exact, r)
+        assert float((got[b] - want).abs().max()) <= 2e-5 * float(exact[:, :r].abs().max())
+    assert bool(wrong.isnan().any()) or float((wrong - got).abs().max()) > 0.1
+
+
+def test_fp8_kernel_choices():
+    # the fp8 type's conversion where Triton has one for the format (e4m3fn on sm_89+ and the interpreter),
+    # the integer decoder elsewhere (e4m3fnuz everywhere: sm_90 Triton has no e4m3fnuz conversion)
+    cpu = torch.device("cpu")
+    assert md.fp8_hw_conversion(cpu, torch.float8_e4m3fn) and not md.fp8_hw_conversion(cpu, torch.float8_e4m3fnuz)
