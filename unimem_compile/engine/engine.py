@@ -151,6 +151,7 @@ class Engine:
                              finished=0, failed=0, cancelled=0, peak_rows=0)
         self._cancel: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
+        self._saved = None  # this engine's rows of the runner's state while someone else used it
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: EngineRequest) -> None:
@@ -179,6 +180,7 @@ class Engine:
         touched: dict[str, EngineRequest] = {}
         with self.handle.generate_lock, torch.no_grad():
             self.counters["steps"] += 1
+            self._occupy()
             for req in self._take_cancellations():
                 touched[req.rid] = req
             for req in self._decode():
@@ -187,6 +189,35 @@ class Engine:
             for req in self._prefill():
                 touched[req.rid] = req
         return list(touched.values())
+
+    # ------------------------------------------------------------------ the runner's row state
+    def _occupy(self) -> None:
+        """Make this engine the tenant of the runner's row state, putting its rows back if a generate()
+        call (or another engine) rewrote the state since this engine's last step."""
+        runner = self.runner
+        if runner.tenant is self:
+            return
+        runner.evict_tenant()
+        state = runner.state
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            values, settings = saved
+            n = len(settings)
+            for name, t in values.items():
+                getattr(state, name)[:n].copy_(t)
+            state._settings[:n] = settings
+            state.clear_rows(n, state.max_rows)
+        else:
+            state.clear_rows(len(self.rows), state.max_rows)
+        runner.tenant = self
+
+    def evicted(self) -> None:
+        """The runner is about to rewrite its row state (called by ``DecodeRunner.evict_tenant``): save this
+        engine's rows until its next step."""
+        state = self.runner.state
+        n = len(self.rows)
+        self._saved = ({name: getattr(state, name)[:n].clone() for name in Rows._fields},
+                       list(state._settings[:n])) if n else None
 
     def _end(self, req: EngineRequest, *, error: str | None = None) -> None:
         """``req`` leaves: memory freed, its row cleared and filled with the last row."""
