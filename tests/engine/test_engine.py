@@ -309,6 +309,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     stock = model = None
     pool_prompts: list[list[int]] = []
+    served = preempted = 0  # over every example: the machine really ran requests, and preempted some
 
     def __init__(self):
         super().__init__()
@@ -324,7 +325,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert out.request_id not in self.results, "a request finished twice"
                 self.results[out.request_id] = out
 
-    @rule(prompt=st.integers(0, 3), max_new=st.integers(1, 20))
+    @rule(prompt=st.integers(0, 3), max_new=st.integers(1, 40))
     def add(self, prompt, max_new):
         if self.stopped:
             with pytest.raises(RuntimeError):
@@ -366,6 +367,8 @@ class ManagerMachine(RuleBasedStateMachine):
             pass
         self._collect()
         assert set(self.results) == set(self.added), "a request was lost"
+        ManagerMachine.served += len(self.results)
+        ManagerMachine.preempted += self.manager.engine.counters["preemptions"]
         for rid, (prompt, max_new) in self.added.items():
             out = self.results[rid]
             ref = reference(self.stock, self.pool_prompts[prompt], max_new)
@@ -381,6 +384,7 @@ class ManagerMachine(RuleBasedStateMachine):
 def test_manager_state_machine(pair):
     ManagerMachine.stock, ManagerMachine.model = pair
     ManagerMachine.pool_prompts = prompts([9, 30, 22, 40], seed=10, vocab=pair[1].config.vocab_size)
-    ManagerMachine.TestCase.settings = settings(max_examples=4, stateful_step_count=6, deadline=None,
+    ManagerMachine.TestCase.settings = settings(max_examples=4, stateful_step_count=10, derandomize=True, deadline=None,
                                                 suppress_health_check=list(HealthCheck))
     ManagerMachine.TestCase().runTest()
+    assert ManagerMachine.served > 0 and ManagerMachine.preempted > 0
