@@ -235,7 +235,8 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
             manager.add_request(p, max_new_tokens=bad)
     with pytest.raises(ValueError, match="'good' is in use"):
         manager.add_request(p, request_id="good")
-    with pytest.raises(GeometryError, match=rf"90 tokens \+ max_new_tokens=10 is 100 tokens, more than max_seq_len={MAX_SEQ}"):
+    with pytest.raises(GeometryError,
+                       match=rf"90 tokens \+ max_new_tokens=10 is 100 tokens, more than max_seq_len={MAX_SEQ}"):
         manager.add_request(list(range(3, 93)), max_new_tokens=10)
     with pytest.raises(ValueError, match="does not take 'num_beams'"):
         manager.add_request(p, num_beams=2)
