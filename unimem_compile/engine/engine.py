@@ -324,8 +324,8 @@ class Engine:
             count = state.count[:n].cpu()
             finished = state.finished[:n].cpu().tolist()
             kv_len = bucket.buffers.kv_len[:n].cpu().tolist()
-            width = int(count.max())
-            out = state.out[:n, :width].cpu().tolist()
+            first = min(len(r.generated) for r in rows)  # the block's tokens only, not each row's history
+            out = state.out[:n, first:int(count.max())].cpu().tolist()
         except Exception as e:  # noqa: BLE001 - the rows of this block fail; the queue goes on
             logger.exception("engine: a decode block of %d rows raised", n)
             for req in rows:
@@ -338,7 +338,7 @@ class Engine:
         count = count.tolist()
         for b, req in enumerate(rows):
             before = len(req.generated)
-            new = out[b][before:count[b]]
+            new = out[b][before - first:count[b] - first]
             keep = self._stop_hit(req, new)
             done = finished[b] or keep is not None
             if keep is not None:
