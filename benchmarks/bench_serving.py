@@ -122,9 +122,9 @@ def build(args):
     device = torch.device(args.device)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     torch.manual_seed(args.seed)
-    model = build_model(args.model).to(device=device, dtype=dtype).eval()
-    compiled = build_model(args.model).to(device=device, dtype=dtype).eval() if args.keep_stock else None
-    stock = compiled
+    model = build_model(args.model, device=device, dtype=dtype, seed=args.seed)
+    # the stock systems run an uncompiled copy with the same weights (build_model seeds its initialisation)
+    stock = build_model(args.model, device=device, dtype=dtype, seed=args.seed) if args.keep_stock else None
     unimem_compile.compile(model, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
                            memory_budget=int(args.budget_gib * GIB), page_size=args.page_size,
                            backend="aot_eager" if args.smoke else "inductor")
