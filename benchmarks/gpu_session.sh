@@ -11,6 +11,7 @@
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
+#          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit)
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2 demo_real_fp8
@@ -85,6 +86,8 @@ for s in "$@"; do
     demo_real_fp8) run_step demo_real_fp8 200 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --kv-dtype fp8_e4m3 --json ;;
     bench_generate_fp8) run_step bench_generate_fp8 "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 \
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate_fp8.json" ;;
+    bench_serving) run_step bench_serving "${SERVE_LIMIT:-570}" python3 -P benchmarks/bench_serving.py \
+                     --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --max-batch 32 --systems unified,static0.5 --traces phased --rate 8 --step-check} ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac
 done
