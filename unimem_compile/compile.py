@@ -269,4 +269,7 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
                                  capture=cudagraphs, tag=tag)
     _COMPILED.append(type(model).__name__)
     install(model, handle, compiled)
+    from .engine.api import install as install_engine  # on use: the engine layer sits above compile's imports
+
+    install_engine(model)
     return model

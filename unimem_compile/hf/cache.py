@@ -267,6 +267,44 @@ class UnifiedCache(Cache):
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
         self.undone_steps = 0
+        #: True for a cache over rows another owner frees (:meth:`over_rows`)
+        self.borrowed = False
+
+    @classmethod
+    def over_rows(cls, handle: UnimemHandle, pages: list[int], length: int, slot: int | None,
+                  prompt_end: int) -> UnifiedCache:
+        """A one-row cache over memory another owner holds (the serving engine's prefill of one request).
+
+        Args:
+            handle: the model's handle.
+            pages: the row's virtual pages in token order; they must hold ``prompt_end`` tokens (the cache
+                never allocates for a borrowed row: a step that would need a page raises GeometryError).
+            length: tokens the row stores already (its earlier chunks).
+            slot: the row's virtual state slot (None: a model without linear-attention layers).
+            prompt_end: the logical length the row's prefill ends at (:attr:`chunked_prefill_end`: each step
+                brings only its new tokens, without a mask).
+
+        The cache never frees the row (``release`` forgets it, a collected cache returns nothing): the
+        owner frees the pages and the slot.
+        """
+        cache = cls(handle, 1)
+        cache._orphan_watch.detach()
+        cache.borrowed = True
+        pt = cache.page_tables
+        if pt is not None:
+            pt.rows[0] = list(pages)  # a copy: the owner's list is never extended nor emptied here
+            if pages:
+                pt._host_table[0, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            pt.lengths[0] = int(length)
+            pt._host_len[0] = int(length)
+            pt.sync()
+        if slot is not None:
+            cache.slots[:] = [int(slot)]
+        cache.logical_len = int(length)
+        cache.seq_length.fill_(int(length))
+        cache.chunked_prefill_end = int(prompt_end)
+        cache.buffers.resident = None  # another cache of one row may have been resident
+        return cache
 
     def fingerprint(self) -> tuple:
         """What a step changes: (tokens cached, every row's stored length, the state slots). Equal before and
@@ -380,7 +418,7 @@ class UnifiedCache(Cache):
             lengths = (total - pads.to(torch.int64)).tolist()
         if self.logical_len == 0:
             def first_allocation():
-                if self.adapter.state_spec is not None:
+                if self.adapter.state_spec is not None and not self.borrowed:  # a borrowed row has its slot
                     self.slots[:] = self.pool.alloc_slots(batch)
                 if self.page_tables is not None:
                     try:
@@ -454,6 +492,9 @@ class UnifiedCache(Cache):
 
     def _write_locations(self, new: int, new_lengths: list[int]) -> None:
         pt = self.page_tables
+        if self.borrowed and pt.pages_needed(range(self.num_rows), new_lengths):
+            raise GeometryError(f"a borrowed row holds {len(pt.rows[0])} pages of {self.page_size} tokens, the step "
+                                f"needs {new_lengths[0]} tokens: its owner allocates, the cache does not")
         old = list(pt.lengths)
         pt.grow(range(self.num_rows), new_lengths)
         if new == 1 and all(n - o == 1 for n, o in zip(new_lengths, old)):
@@ -582,7 +623,13 @@ class UnifiedCache(Cache):
 
     # ------------------------------------------------------------------ release
     def _free(self) -> None:
-        self.handle.return_rows(self.page_tables, self.slots, self.buffers)  # under the model's generate lock
+        if self.borrowed:  # the owner frees the rows: only forget them
+            if self.page_tables is not None:
+                self.page_tables.rows = [[] for _ in range(self.num_rows)]
+            self.slots.clear()
+            self.buffers.resident = None
+        else:
+            self.handle.return_rows(self.page_tables, self.slots, self.buffers)  # under the model's generate lock
         self._out_offset.zero_()
         self.logical_len = 0
         self.seq_length.fill_(0)

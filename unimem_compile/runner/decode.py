@@ -50,7 +50,7 @@ from ..errors import GeometryError, PoolExhausted
 from ..pool.allocator import as_int
 from ..pool.staging import StagedUpload
 from .buckets import bucket_for, bucket_sizes
-from .rows import RowSettings, RowState
+from .rows import Rows, RowSettings, RowState
 from .sampling import decode_step
 
 __all__ = ["DEFAULT_STEPS_AHEAD", "DecodeRunner", "DecodeTiming", "StepGraphStats"]
@@ -532,6 +532,69 @@ class DecodeRunner:
         while pending:  # copies still in flight: their tokens for the streamer
             call.process(pending.popleft())
         return call.finish()
+
+    # ------------------------------------------------------------------ rows that join and leave (the engine)
+    def step_bucket(self, rows: int, sampling: bool, *, keep_rows: int = 0) -> _Bucket:
+        """The bucket serving ``rows`` rows with its step for ``sampling`` built (compiled, and captured on
+        CUDA with ``cudagraphs``). Building a step runs it on inert rows, which clears the row state: rows
+        ``[0, keep_rows)`` (requests in flight) are saved before and put back after, device values and host
+        settings alike. For a caller that runs its own blocks of steps (the serving engine); hold the
+        generate lock.
+
+        Raises:
+            GeometryError: ``rows`` outside ``[1, max_batch_size]``."""
+        if not 1 <= rows <= self.handle.max_batch_size:
+            raise GeometryError(f"{rows} rows is outside [1, max_batch_size={self.handle.max_batch_size}]")
+        size = bucket_for(rows, self.handle.max_batch_size)
+        bucket = self._bucket(size)
+        if sampling in bucket.stats:
+            return bucket
+        state = self.state
+        saved = {name: getattr(state, name)[:keep_rows].clone() for name in Rows._fields} if keep_rows else None
+        settings = list(state._settings[:keep_rows])
+        bucket = self._ensure(size, sampling)
+        if saved is not None:
+            for name, values in saved.items():
+                getattr(state, name)[:keep_rows].copy_(values)
+            state._settings[:keep_rows] = settings
+        return bucket
+
+    def load_rows(self, bucket: _Bucket, page_table: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor,
+                  left_pads: torch.Tensor, logical_len: int) -> None:
+        """Put ``r`` rows' tables into ``bucket``'s buffers (rows past ``r``: no page, slot -1, nothing stored),
+        stream-ordered: int32 ``page_table [r, max_pages_per_row]`` (virtual pages, -1 = none), int32
+        ``kv_len [r]`` (tokens stored), int64 ``slots [r]`` (virtual slot, -1 = none), int32 ``left_pads [r]``
+        (where each row's first token sits in the gathered sequence) and ``logical_len``, the position of
+        the next step's query (every live row's ``left_pads + kv_len``). Host tensors."""
+        rows, size = int(kv_len.shape[0]), bucket.size
+        if rows > size or page_table.shape != (rows, self.handle.max_pages_per_row):
+            raise GeometryError(f"{rows} rows with a page table of {list(page_table.shape)} for a bucket of {size} "
+                                f"rows and {self.handle.max_pages_per_row} pages per row")
+
+        def padded(values, fill, dtype):
+            out = torch.full((size, *values.shape[1:]), fill, dtype=dtype)
+            out[:rows] = values
+            return out
+
+        up = bucket.uploads
+        up["page_table"](padded(page_table, -1, torch.int32))
+        up["kv_len"](padded(kv_len, 0, torch.int32))
+        up["slots"](padded(slots, -1, torch.int64))
+        up["out_offset"](padded(left_pads, 0, torch.int32))
+        up["pads_after_finish"](torch.zeros(size, dtype=torch.bool))
+        bucket.buffers.decode_loc.fill_(-1)
+        bucket.cache.seq_length.fill_(int(logical_len))
+
+    def replay(self, bucket: _Bucket, sampling: bool, steps: int) -> None:
+        """Run ``steps`` decode steps of ``bucket`` (graph replays, or the compiled step uncaptured); the
+        caller reserved the pages they write (hold the generate lock)."""
+        graph, stats = bucket.graphs[sampling], bucket.stats[sampling]
+        for _ in range(steps):
+            if graph is not None:
+                graph.replay()
+            else:
+                self._call_step(bucket, sampling)
+        stats.steps += steps
 
     def _upload_call(self, bucket: _Bucket, cache, rows: int, pads_after_finish: bool) -> None:
         """The call's cache into the bucket's buffers: rows ``[0, rows)`` its tables, slots and left pads,
