@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")
     s.add_argument("--max-queue", type=int, default=256,
-                   help="most requests held at once, running + waiting; past it 429 with Retry-After (default 256)")
+                   help="most requests waiting for admission; past it 429 with Retry-After (default 256)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGINT / SIGTERM (default 10)")
     s.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model's name)")

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+from ..engine.manager import QueueFull as EngineQueueFull
+
 __all__ = [
     "Sampling",
     "Update",
@@ -138,17 +140,12 @@ class ManagerEngine:
     Args:
         manager: the manager, started or not (``start()`` is called here if it is not running).
         max_seq_len: the compiled model's ``max_seq_len``.
-        max_queue: most requests (running + waiting) held at once; past it :meth:`submit` raises
-            :class:`QueueFull`. None: only the manager's own limit applies.
         poll_s: the dispatcher's ``get_result`` timeout (seconds): how late it notices :meth:`close`.
     """
 
-    def __init__(self, manager, max_seq_len: int, *, max_queue: Optional[int] = None, poll_s: float = 0.05):
-        if max_queue is not None and max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1 request, got {max_queue}")
+    def __init__(self, manager, max_seq_len: int, *, poll_s: float = 0.05):
         self.manager = manager
         self.max_seq_len = max_seq_len
-        self.max_queue = max_queue
         self._poll_s = poll_s
         self._lock = threading.Lock()
         self._handlers: dict[str, Callable[[Update], None]] = {}
@@ -172,8 +169,6 @@ class ManagerEngine:
         if sampling.seed is not None:
             kwargs["seed"] = sampling.seed
         with self._lock:
-            if self.max_queue is not None and len(self._handlers) >= self.max_queue:
-                raise QueueFull(f"the server holds {len(self._handlers)} requests, its limit (--max-queue)")
             self._handlers[rid] = on_update
         try:
             self.manager.add_request(list(prompt_ids), request_id=rid, max_new_tokens=sampling.max_new_tokens,
@@ -181,10 +176,11 @@ class ManagerEngine:
         except BaseException as e:
             with self._lock:
                 self._handlers.pop(rid, None)
-            full = type(e).__name__ in ("QueueFull", "Full", "EngineQueueFull")
-            if full:
-                raise QueueFull(str(e) or "the engine's queue is full", getattr(e, "retry_after", 1.0)) from e
-            if isinstance(e, (ValueError, TypeError)):
+            if isinstance(e, EngineQueueFull):
+                raise QueueFull(str(e), retry_after=1.0) from e
+            if isinstance(e, RuntimeError):  # add_request after stop(): the server is going down
+                raise QueueFull(str(e), retry_after=math.inf) from e
+            if isinstance(e, ValueError):  # GeometryError and the settings' errors are ValueErrors
                 raise RequestRefused(str(e)) from e
             raise
         return rid
@@ -213,17 +209,13 @@ class ManagerEngine:
                 handler(update)
 
     def metrics(self) -> EngineMetrics:
-        m = getattr(self.manager, "metrics", None)
-        raw = m() if callable(m) else (m or {})
-        if not isinstance(raw, dict):
-            raw = dict(vars(raw))
+        raw = self.manager.metrics()
         return EngineMetrics(
-            running=int(raw.get("running", raw.get("running_requests", 0))),
-            waiting=int(raw.get("waiting", raw.get("waiting_requests", 0))),
-            kv_bytes=int(raw.get("kv_bytes", 0)), state_bytes=int(raw.get("state_bytes", 0)),
-            free_bytes=int(raw.get("free_bytes", 0)), total_bytes=int(raw.get("total_bytes", 0)),
-            tokens_per_s=float(raw.get("tokens_per_s", 0.0)), preemptions=int(raw.get("preemptions", 0)),
-            extra={"outstanding": self.outstanding()},
+            running=raw["running"], waiting=raw["waiting"], kv_bytes=raw["kv_bytes"],
+            state_bytes=raw["state_bytes"], free_bytes=raw["free_bytes"], total_bytes=raw["budget_bytes"],
+            tokens_per_s=raw["tokens_per_s"], preemptions=raw["preemptions"],
+            extra={"outstanding": self.outstanding(), **{k: raw[k] for k in ("finished", "failed", "cancelled")
+                                                          if k in raw}},
         )
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -233,4 +225,4 @@ class ManagerEngine:
         for rid in rids:
             self.manager.cancel_request(rid)
         self._thread.join(timeout)
-        self.manager.stop(block=True, timeout=timeout)
+        self.manager.stop(block=True, timeout=timeout, hard_stop=True)

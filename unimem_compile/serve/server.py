@@ -43,7 +43,7 @@ class ServeOptions:
         kv_dtype: compile()'s ``kv_dtype`` (None: the model's dtype).
         page_size: tokens per KV page. backend: the inner torch.compile backend.
         api_key: the bearer token ``/v1/*`` requires (None: none).
-        max_queue: most requests held at once (running + waiting) before 429.
+        max_queue: most requests waiting for admission before 429 (the manager's ``max_queue``).
         shutdown_timeout: seconds running requests get to finish after a signal.
         served_name: the model id clients name (default: the preset name or the folder's name).
     """
@@ -105,8 +105,8 @@ def build_engine(model, options: ServeOptions) -> ManagerEngine:
     unimem_compile.compile(model, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
                            memory_budget=budget, page_size=options.page_size, kv_dtype=options.kv_dtype,
                            backend=options.backend)
-    manager = model.init_continuous_batching()
-    return ManagerEngine(manager, options.max_seq_len, max_queue=options.max_queue)
+    manager = model.init_continuous_batching(max_queue=options.max_queue)
+    return ManagerEngine(manager, options.max_seq_len)
 
 
 def warm_up(engine: EngineClient, codec: TextCodec, timeout: float = 600.0) -> None:
