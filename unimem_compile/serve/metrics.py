@@ -5,7 +5,8 @@ shows the engine as it is, not as of the last request. Names (docs/serve.md list
 
 * ``unimem_requests_running``, ``unimem_requests_waiting``: the engine's requests in a step / queued.
 * ``unimem_arena_bytes{side="kv"|"state"|"free"}``, ``unimem_arena_capacity_bytes``: the unified arena.
-* ``unimem_engine_tokens_per_second``: the engine's output rate; ``unimem_preemptions_total``.
+* ``unimem_engine_tokens_per_second``: the engine's output rate since it started; ``unimem_preemptions_total``;
+  ``unimem_engine_requests_total{outcome="finished"|"failed"|"cancelled"}``.
 * ``unimem_output_tokens_per_second``: tokens the server delivered over the last 10 s, per second.
 * ``unimem_http_requests_total{endpoint, status}``, ``unimem_prompt_tokens_total``,
   ``unimem_generation_tokens_total``, ``unimem_time_to_first_token_seconds``,
@@ -102,3 +103,10 @@ class _EngineCollector:
         pre = CounterMetricFamily("unimem_preemptions", "running requests preempted (memory freed, recomputed)")
         pre.add_metric([], float(m.preemptions))
         yield pre
+        outcomes = {k: m.extra[k] for k in ("finished", "failed", "cancelled") if k in m.extra}
+        if outcomes:
+            ended = CounterMetricFamily("unimem_engine_requests", "engine requests ended, by outcome",
+                                        labels=["outcome"])
+            for outcome, value in outcomes.items():
+                ended.add_metric([outcome], float(value))
+            yield ended

@@ -176,7 +176,8 @@ class StopMatcher:
 
     The reply ends just before the earliest occurrence of any stop string, and the stop string is not
     returned (OpenAI's trimming). To never emit text that a later piece turns into the start of a match,
-    the last ``max(len(s)) - 1`` characters are held back until more text (or :meth:`flush`) decides them.
+    the longest tail of the text that begins some stop string (at most ``max(len(s)) - 1`` characters) is
+    held back until more text (or :meth:`flush`) decides it.
 
     Args:
         stops: the stop strings (empty strings are ignored; none: every piece passes through at once).
@@ -199,7 +200,9 @@ class StopMatcher:
             self.stopped = True
             out, self._pending = self._pending[:min(hits)], ""
             return out
-        cut = max(len(self._pending) - self._hold, 0)
+        keep = next((k for k in range(min(self._hold, len(self._pending)), 0, -1)
+                     if any(s.startswith(self._pending[-k:]) for s in self.stops)), 0)
+        cut = len(self._pending) - keep
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
 
