@@ -1,7 +1,7 @@
 """Capacity: how many requests one byte budget serves, unified pool vs static splits vs a padded hybrid pool.
 
 CPU only, no model weights. Every memory system is the library's real pool code on the ``meta`` device
-(see :mod:`unimem_compile.pool.simulate` for the scheduler, the systems and the traces). For each trace
+(see :mod:`unimem_compile.sim.simulate` for the scheduler, the systems and the traces). For each trace
 (stationary, phased) it runs
 
 * the unified pool;
@@ -34,7 +34,7 @@ import numpy as np
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.pool import GEOMETRIES, geometry
-from unimem_compile.pool.simulate import (
+from unimem_compile.sim.simulate import (
     GIB,
     TRACES,
     PaddedHybridSystem,

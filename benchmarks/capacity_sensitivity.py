@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_capacity as bc
 
-from unimem_compile.pool.simulate import TRACES, phased_trace
+from unimem_compile.sim.simulate import TRACES, phased_trace
 
 
 def _simulate(names, grid, a, args) -> tuple[dict, dict]:

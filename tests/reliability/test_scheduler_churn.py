@@ -2,7 +2,7 @@
 
 Two schedulers drive the real allocator:
 
-* the capacity simulator's FCFS continuous-batching scheduler (``unimem_compile.pool.simulate``) on the
+* the capacity simulator's FCFS continuous-batching scheduler (``unimem_compile.sim.simulate``) on the
   Kimi-Linear-48B geometry: thousands of requests through a 3 GiB unified pool, allocator invariants
   checked after every tick. Its arenas live on the meta device: allocation and compaction only.
 * a small loop here that moves real bytes (FCFS admission, one token per running request per tick, the
@@ -21,7 +21,7 @@ import torch
 
 from unimem_compile.errors import PoolExhausted
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, PageTables, UnifiedPool, geometry
-from unimem_compile.pool.simulate import GIB, UnifiedSystem, simulate, stationary_trace
+from unimem_compile.sim.simulate import GIB, UnifiedSystem, simulate, stationary_trace
 
 KV = MLASpec(1, 16, 16, torch.float32)  # one layer of 32 fp32 values per token: 512-byte pages of 4 tokens
 STATE = LinearStateSpec.kda(1, 2, 8, 4, torch.float32)  # 1280-byte slots (2.5 pages)

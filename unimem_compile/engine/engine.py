@@ -121,7 +121,11 @@ class Engine:
 
     Attributes:
         scheduler: the :class:`~.scheduler.Scheduler`. rows: the decoding requests, row ``i`` = ``rows[i]``.
-        counters: ``steps``, ``decode_steps``, ``prefill_tokens``, ``generated_tokens``, ``preemptions``,
+        counters: ``steps``, ``decode_steps``, ``decode_row_steps`` (rows x steps), ``decode_s`` (seconds in
+            decode blocks, readback included), ``prefill_tokens``, ``prefill_s`` (seconds of prefill chunks:
+            only a chunk that ends a prompt synchronises, so the others' time is their launch),
+            ``generated_tokens``, ``preemptions``, ``refusals`` (steps whose queue head found no room),
+            ``refused_with_room`` (of those, the ones while the whole arena's free bytes could hold the request),
             ``finished``, ``failed``, ``cancelled``, ``peak_rows`` (most rows in one decode block).
     """
 
@@ -147,10 +151,12 @@ class Engine:
         from ..hf.generate_checks import _cache_kwarg
 
         self._cache_kwarg = _cache_kwarg(model)
-        self.counters = dict(steps=0, decode_steps=0, prefill_tokens=0, generated_tokens=0, preemptions=0,
+        self.counters = dict(steps=0, decode_steps=0, decode_row_steps=0, decode_s=0.0, prefill_tokens=0,
+                             prefill_s=0.0, generated_tokens=0, preemptions=0, refusals=0, refused_with_room=0,
                              finished=0, failed=0, cancelled=0, peak_rows=0)
         self._cancel: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
+        self._saved = None  # this engine's rows of the runner's state while someone else used it
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: EngineRequest) -> None:
@@ -179,14 +185,59 @@ class Engine:
         touched: dict[str, EngineRequest] = {}
         with self.handle.generate_lock, torch.no_grad():
             self.counters["steps"] += 1
+            self._occupy()
             for req in self._take_cancellations():
                 touched[req.rid] = req
             for req in self._decode():
                 touched[req.rid] = req
-            self.scheduler.admit()
+            self._admit()
             for req in self._prefill():
                 touched[req.rid] = req
         return list(touched.values())
+
+    # ------------------------------------------------------------------ the runner's row state
+    def _occupy(self) -> None:
+        """Make this engine the tenant of the runner's row state, putting its rows back if a generate()
+        call (or another engine) rewrote the state since this engine's last step."""
+        runner = self.runner
+        if runner.tenant is self:
+            return
+        runner.evict_tenant()
+        state = runner.state
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            values, settings = saved
+            n = len(settings)
+            for name, t in values.items():
+                getattr(state, name)[:n].copy_(t)
+            state._settings[:n] = settings
+            state.clear_rows(n, state.max_rows)
+        else:
+            state.clear_rows(len(self.rows), state.max_rows)
+        runner.tenant = self
+
+    def evicted(self) -> None:
+        """The runner is about to rewrite its row state (called by ``DecodeRunner.evict_tenant``): save this
+        engine's rows until its next step."""
+        state = self.runner.state
+        n = len(self.rows)
+        self._saved = ({name: getattr(state, name)[:n].clone() for name in Rows._fields},
+                       list(state._settings[:n])) if n else None
+
+    def _admit(self) -> None:
+        """FCFS admission; a head that finds no room counts as a refusal, and as a refusal with room when
+        the arena's free bytes could hold its pages, its state, the reserve and one page + one slot of slack
+        (the memory was there, but on the other side of a static split)."""
+        _, blocked = self.scheduler.admit()
+        if blocked is None:
+            return
+        self.counters["refusals"] += 1
+        m = self.memory
+        lay = self.handle.pool.layout
+        need = m.pages_for(blocked.tokens) * lay.page_bytes + lay.slot_bytes + m.reserve_bytes(self.scheduler.reserve())
+        free = lay.usable - lay.sink_floor - m.kv_bytes() - m.state_bytes()  # of the whole arena, split or not
+        if free - (lay.page_bytes + lay.slot_bytes) >= need:
+            self.counters["refused_with_room"] += 1
 
     def _end(self, req: EngineRequest, *, error: str | None = None) -> None:
         """``req`` leaves: memory freed, its row cleared and filled with the last row."""
@@ -258,6 +309,7 @@ class Engine:
         sampling = any(r.settings.do_sample for r in rows)
         try:
             bucket = self.runner.step_bucket(n, sampling, keep_rows=n)
+            start = time.perf_counter()
             self._load(bucket, rows)
             self.runner.replay(bucket, sampling, steps)
             state = self.runner.state
@@ -271,8 +323,10 @@ class Engine:
             for req in rows:
                 self._end(req, error=f"{type(e).__name__}: {e}")
             return rows
-        self.counters["decode_steps"] += steps
         now = time.perf_counter()
+        self.counters["decode_steps"] += steps
+        self.counters["decode_row_steps"] += steps * n
+        self.counters["decode_s"] += now - start  # the block and its readback (a synchronisation)
         count = count.tolist()
         for b, req in enumerate(rows):
             before = len(req.generated)
@@ -333,10 +387,12 @@ class Engine:
                 continue
             chunk = min(budget, len(req.prefill_ids) - req.prefilled)
             budget -= chunk
+            start = time.perf_counter()
             try:
                 logits = self._prefill_chunk(req, chunk)
                 if logits is not None:
-                    self._join(req, logits)
+                    self._join(req, logits)  # reads the first token: the chunk's time is complete
+                self.counters["prefill_s"] += time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                 logger.exception("engine: the prefill of request %r raised", req.rid)
                 self._end(req, error=f"{type(e).__name__}: {e}")

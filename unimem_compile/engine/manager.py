@@ -120,7 +120,7 @@ class ContinuousBatchingManager:
         self._started_at: float | None = None
         self._streaming: dict[str, bool] = {}
         self._timestamps: dict[str, bool] = {}
-        self._prompts: dict[str, list[int]] = {}
+        self._sent: dict[str, int] = {}  # streaming request id -> tokens in its last output
 
     # ------------------------------------------------------------------ control
     def is_running(self) -> bool:
@@ -362,8 +362,12 @@ class ContinuousBatchingManager:
     def _publish(self, touched: list[EngineRequest]) -> None:
         outs = []
         for req in touched:
-            if not req.finished and not self._streaming.get(req.rid, False):
-                continue
+            if not req.finished:  # a streaming request's output when it has new tokens
+                if not self._streaming.get(req.rid, False) or len(req.generated) <= self._sent.get(req.rid, 0):
+                    continue
+                self._sent[req.rid] = len(req.generated)
+            else:
+                self._sent.pop(req.rid, None)
             outs.append(self._output(req))
         if not outs:
             return

@@ -83,17 +83,20 @@ class Scheduler:
             admitted.append(head)
         return admitted, None
 
-    def grow(self, entry, tokens: int) -> list[tuple[object, PoolExhausted]]:
+    def grow(self, entry, tokens: int, on_exhausted=None) -> list[tuple[object, PoolExhausted]]:
         """Make running ``entry`` hold ``tokens`` tokens, preempting the newest running entries while the
         memory system cannot (each victim is freed and put back at the front of the queue). Returns the
         ``(victim, the PoolExhausted that evicted it)`` pairs in eviction order; ``entry`` itself is the
-        last victim when it was preempted (it then did not grow)."""
+        last victim when it was preempted (it then did not grow). ``on_exhausted(error)``: called on each
+        failed growth before its victim is freed (the simulator's counters read the memory then)."""
         victims = []
         while True:
             try:
                 self.memory.grow(entry.rid, tokens)
                 return victims
             except PoolExhausted as e:
+                if on_exhausted is not None:
+                    on_exhausted(e)
                 victim = self.running.pop()
                 self.memory.release(victim.rid)
                 self.waiting.appendleft(victim)

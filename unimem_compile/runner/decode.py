@@ -232,6 +232,10 @@ class DecodeRunner:
         self._pool = None
         #: a :class:`DecodeTiming` that the next calls record into (set by ``model.unimem.timed_decode()``)
         self.timing: DecodeTiming | None = None
+        #: the object whose requests occupy rows of :attr:`state` between its own calls (the serving engine),
+        #: or None. Anything else that rewrites the state (a generate() call, :meth:`capture`) first calls
+        #: its ``evicted()``, which saves its rows; it puts them back before its next step.
+        self.tenant = None
 
     # ------------------------------------------------------------------------------------------ knobs
     @property
@@ -434,6 +438,7 @@ class DecodeRunner:
             if size not in self.buckets:
                 raise GeometryError(f"{size} rows is not a bucket of this model; its buckets are {list(self.buckets)}")
         with self.handle.generate_lock:
+            self.evict_tenant()
             for size in sorted(sizes, reverse=True):  # largest first: smaller graphs reuse its pool memory
                 for flag in sampling:
                     self._ensure(size, bool(flag))
@@ -490,6 +495,7 @@ class DecodeRunner:
             PoolExhausted: the pool cannot hold one more step of the rows that write (after collecting
                 dropped caches).
         """
+        self.evict_tenant()
         rows = len(settings)
         if input_ids.shape[0] != rows or prefill_logits.shape[0] != rows or cache.num_rows != rows:
             raise GeometryError(f"{rows} row settings for input_ids {list(input_ids.shape)}, logits "
@@ -534,6 +540,12 @@ class DecodeRunner:
         return call.finish()
 
     # ------------------------------------------------------------------ rows that join and leave (the engine)
+    def evict_tenant(self) -> None:
+        """Tell the :attr:`tenant` (if any) that the row state is about to be rewritten, and forget it."""
+        tenant, self.tenant = self.tenant, None
+        if tenant is not None:
+            tenant.evicted()
+
     def step_bucket(self, rows: int, sampling: bool, *, keep_rows: int = 0) -> _Bucket:
         """The bucket serving ``rows`` rows with its step for ``sampling`` built (compiled, and captured on
         CUDA with ``cudagraphs``). Building a step runs it on inert rows, which clears the row state: rows

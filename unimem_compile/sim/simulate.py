@@ -14,14 +14,15 @@ Three memory systems share one budget and one scheduler:
 * :class:`PaddedHybridSystem`: one pool with one page size for every layer, attention blocks padded to the
   per-layer state size (the vLLM v1 hybrid allocator model of :func:`~unimem_compile.pool.padded_group_bytes`).
 
-The scheduler (:func:`simulate`) is FCFS continuous batching in the style of vLLM v1: every tick each running
-request decodes ``tokens_per_tick`` tokens (its pages grow as it crosses page boundaries), finished requests
-free their memory, then waiting requests are admitted in arrival order while the memory system has room
-for the request's prompt, one state and a growth reserve (waived while nothing runs: it protects running
-requests' growth, and a request the empty system holds must not wait for ever); the first one that does not
-fit blocks the queue (no overtaking). When a running request cannot grow, the most recently admitted request
-is retracted (its memory freed, and it goes back to the front of the queue to be recomputed with the tokens
-it had). A tick is a scheduler step, not a time: prefill and decode cost are not modelled; capacity is.
+The policy is the serving engine's own FCFS scheduler (:class:`unimem_compile.engine.Scheduler`, one policy
+in the code base): :func:`simulate` drives it tick by tick. Every tick each running request decodes
+``tokens_per_tick`` tokens (its pages grow as it crosses page boundaries; a request that cannot grow preempts
+the most recently admitted one, which goes back to the front of the queue to be recomputed with the tokens
+it had), finished requests free their memory, then waiting requests are admitted in arrival order while
+the memory system has room for the request's prompt, one state and a growth reserve (waived while nothing
+runs); the first one that does not fit blocks the queue (no overtaking). A tick is a scheduler step, not a
+time: prefill and decode cost are not modelled; capacity is. The engine differs only in what a step is (a
+block of decode steps of the real model, and chunked prefill of the admitted prompts).
 
 Traces (:func:`stationary_trace`, :func:`phased_trace`) are seeded and documented in their docstrings.
 """
@@ -34,11 +35,13 @@ import math
 
 import numpy as np
 
+from ..engine.memory import PoolMemory
+from ..engine.scheduler import Scheduler
 from ..errors import GeometryError, PoolExhausted
-from .layout import ArenaLayout, KVSpec
-from .sizing import padded_block_geometry
-from .specs import LinearStateSpec, MLASpec
-from .unified import UnifiedPool
+from ..pool.layout import ArenaLayout, KVSpec
+from ..pool.sizing import padded_block_geometry
+from ..pool.specs import LinearStateSpec, MLASpec
+from ..pool.unified import UnifiedPool
 
 __all__ = [
     "Request",
@@ -156,8 +159,9 @@ def _check_hybrid(kv, state, who: str) -> None:
                             "model with one kind of cache every memory system is the same single pool")
 
 
-class UnifiedSystem:
-    """Every request's pages and its state slot in one :class:`UnifiedPool` of ``budget`` bytes.
+class UnifiedSystem(PoolMemory):
+    """Every request's pages and its state slot in one :class:`UnifiedPool` of ``budget`` bytes on the
+    ``meta`` device: the engine's :class:`~unimem_compile.engine.PoolMemory` without arena storage.
 
     Args:
         kv, state: the model's sub-pool specs (both required).
@@ -165,85 +169,9 @@ class UnifiedSystem:
         page_size: tokens per page.
     """
 
-    name = "unified"
-
     def __init__(self, kv: KVSpec, state: LinearStateSpec, budget: int, page_size: int = 64):
         _check_hybrid(kv, state, "UnifiedSystem")
-        self.page_size = page_size
-        self.layout = ArenaLayout(int(budget), page_size, kv, state)
-        self.pool = _pool(self.layout)
-        self.budget = int(budget)
-        self._pages: dict[int, list[int]] = {}
-        self._slots: dict[int, list[int]] = {}
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.layout.page_size)
-
-    def reserve_pages(self, fraction: float) -> int:
-        """Pages kept free at admission for the running requests' growth: ``fraction`` of the arena."""
-        return math.ceil(fraction * self.budget / self.layout.page_bytes)
-
-    def can_ever_hold(self, tokens: int) -> bool:
-        return self.layout.fits(self.pages_for(tokens), 1)
-
-    def can_admit(self, tokens: int, reserve_fraction: float) -> bool:
-        a = self.pool.allocator
-        return self.layout.fits(a.pages_used + self.pages_for(tokens) + self.reserve_pages(reserve_fraction),
-                                a.slots_used + 1)
-
-    def admit(self, rid: int, tokens: int) -> None:
-        """Allocate ``tokens`` tokens of pages and one state slot; PoolExhausted with nothing allocated."""
-        slots = self.pool.alloc_slots(1)
-        try:
-            pages = self.pool.alloc_pages(self.pages_for(tokens))
-        except PoolExhausted:
-            self.pool.free_slots(slots)
-            raise
-        self._pages[rid], self._slots[rid] = pages, slots
-
-    def grow(self, rid: int, tokens: int) -> None:
-        """Make ``rid`` hold ``tokens`` tokens; PoolExhausted with nothing allocated."""
-        missing = self.pages_for(tokens) - len(self._pages[rid])
-        if missing > 0:
-            self._pages[rid] += self.pool.alloc_pages(missing)
-
-    def release(self, rid: int) -> None:
-        self.pool.free_pages(self._pages.pop(rid))
-        self.pool.free_slots(self._slots.pop(rid))
-
-    def kv_bytes(self) -> int:
-        return self.pool.allocator.pages_used * self.layout.page_bytes
-
-    def state_bytes(self) -> int:
-        return self.pool.allocator.slots_used * self.layout.slot_bytes
-
-    def free_bytes(self) -> int:
-        """Bytes of the arena no live page or slot holds (sink and tail pad excluded)."""
-        lay = self.layout
-        return lay.usable - lay.sink_floor - self.kv_bytes() - self.state_bytes()
-
-    def reserve_bytes(self, fraction: float) -> int:
-        return self.reserve_pages(fraction) * self.layout.page_bytes
-
-    def occupancy(self) -> dict[str, int]:
-        """Region edges in bytes from the arena start: ``state_end`` (slots below), ``kv_start`` (pages
-        above), and the live / hole bytes of each region."""
-        a, lay = self.pool.allocator, self.layout
-        return {
-            "state_end": a.state_watermark * lay.slot_bytes if a.state_watermark > lay.first_slot else lay.sink_floor,
-            "kv_start": a.kv_watermark * lay.page_bytes if a.kv_watermark < lay.num_pages else lay.usable,
-            "state_live": self.state_bytes(),
-            "kv_live": self.kv_bytes(),
-            "state_holes": a.hole_bytes("state"),
-            "kv_holes": a.hole_bytes("kv"),
-        }
-
-    def pools(self) -> list[UnifiedPool]:
-        return [self.pool]
-
-    def stats(self) -> dict:
-        s = self.pool.stats()
-        return {"compactions": s.compactions, "bytes_moved": s.bytes_moved}
+        super().__init__(_pool(ArenaLayout(int(budget), page_size, kv, state)), name="unified", check_owner=False)
 
 
 class StaticSplitSystem:
@@ -460,7 +388,7 @@ class SimResult:
         return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Live:
     req: Request
     generated: int = 0  # tokens generated so far (kept across a retraction: recompute, not restart)
@@ -469,6 +397,10 @@ class _Live:
     @property
     def tokens(self) -> int:
         return self.req.prompt + self.generated
+
+    @property
+    def rid(self) -> int:
+        return self.req.rid
 
 
 def _check_trace(trace: list[Request]) -> None:
@@ -536,8 +468,8 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
     held = [r for r in trace if system.can_ever_hold(r.prompt + r.output)]
     counters["rejected"] = len(trace) - len(held)
     arrivals = collections.deque(held)
-    waiting: collections.deque[_Live] = collections.deque()
-    running: list[_Live] = []  # admission order: the last is the first to be retracted
+    scheduler = Scheduler(system, reserve_fraction=reserve_fraction)
+    waiting, running = scheduler.waiting, scheduler.running  # the scheduler's queue and admission order
     page_slot_slack = _slack_bytes(system)
     refused_ids: set[int] = set()
     waits: list[int] = []
@@ -563,56 +495,39 @@ def simulate(system, trace: list[Request], kv: KVSpec, state: LinearStateSpec, *
         while arrivals and arrivals[0].arrival <= t:
             waiting.append(_Live(arrivals.popleft()))
 
-        # decode: oldest first; a request that cannot grow evicts the newest ones (possibly itself)
+        # decode: oldest first; a request that cannot grow preempts the newest ones (possibly itself)
+        def exhausted(e: PoolExhausted) -> None:  # before the scheduler frees the victim
+            counters["retracted"] += 1
+            if system.free_bytes() - page_slot_slack >= e.requested:
+                counters["retracted_with_room"] += 1
+
         i = 0
         while i < len(running):
             live = running[i]
             step = min(tokens_per_tick, live.req.output - live.generated)
-            while True:
-                try:
-                    system.grow(live.req.rid, live.tokens + step)
-                    break
-                except PoolExhausted as e:
-                    counters["retracted"] += 1
-                    if system.free_bytes() - page_slot_slack >= e.requested:
-                        counters["retracted_with_room"] += 1
-                    victim = running.pop()
-                    system.release(victim.req.rid)
-                    waiting.appendleft(victim)
-                    if victim is live:
-                        break
+            scheduler.grow(live, live.tokens + step, on_exhausted=exhausted)
             if i < len(running) and running[i] is live:
                 live.generated += step
                 generated_total += step
                 i += 1
 
         # finish
-        still = []
-        for live in running:
-            if live.generated >= live.req.output:
-                system.release(live.req.rid)
-                counters["finished"] += 1
-            else:
-                still.append(live)
-        running = still
+        for live in [x for x in running if x.generated >= x.req.output]:
+            scheduler.finish(live)
+            counters["finished"] += 1
 
         # admit in arrival order; the first that does not fit blocks the rest
-        while waiting:
-            live = waiting[0]
-            reserve = reserve_fraction if running else 0.0
-            if not system.can_admit(live.tokens, reserve):
-                counters["refusal_events"] += 1
-                refused_ids.add(live.req.rid)
-                need = _min_request_bytes(kv, state, live.tokens, page_size) + system.reserve_bytes(reserve)
-                if system.free_bytes() - page_slot_slack >= need:
-                    counters["refused_with_room"] += 1
-                break
-            system.admit(live.req.rid, live.tokens)
-            waiting.popleft()
+        admitted, blocked = scheduler.admit()
+        for live in admitted:
             if live.admitted_at < 0:
                 waits.append(t - live.req.arrival)
             live.admitted_at = t
-            running.append(live)
+        if blocked is not None:
+            counters["refusal_events"] += 1
+            refused_ids.add(blocked.req.rid)
+            need = _min_request_bytes(kv, state, blocked.tokens, page_size) + system.reserve_bytes(scheduler.reserve())
+            if system.free_bytes() - page_slot_slack >= need:
+                counters["refused_with_room"] += 1
 
         timeline["running"].append(len(running))
         timeline["waiting"].append(len(waiting))

@@ -7,7 +7,7 @@ import pytest
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.pool import ArenaLayout, MultiEndedAllocator, geometry, padded_group_bytes
-from unimem_compile.pool.simulate import (
+from unimem_compile.sim.simulate import (
     GIB,
     PaddedHybridSystem,
     Request,
@@ -147,7 +147,7 @@ def test_hole_reuse_order_matches_a_reference_under_heavy_churn():
 def test_a_request_the_empty_system_holds_only_without_the_reserve_is_served_not_stuck(name):
     # the growth reserve is waived while nothing runs: a request that fills the empty system (but not the
     # system minus its reserve) used to block the FCFS queue for ever
-    from unimem_compile.pool.simulate import Request
+    from unimem_compile.sim.simulate import Request
 
     system = SYSTEMS[name]()
     big = 1

@@ -1,0 +1,495 @@
+"""Serving: continuous batching on the unified arena vs static splits of the same budget, on a real stream.
+
+Model ``kimi-linear-48b-8l`` (8 layers, 2 MLA + 6 KDA, the real per-layer geometry), bf16, random weights,
+an arena of 6 GiB so that memory binds. Requests arrive in wall-clock time from a seeded trace (defined
+below); the engine serves them through ``model.init_continuous_batching`` (its background loop), the
+benchmark's main thread adding each request at its arrival time. Every request runs to its output length
+(``min_new_tokens = max_new_tokens``: random weights would otherwise end at a random EOS).
+
+Traces (seed ``--seed``, :func:`chat_lengths`, :func:`long_lengths`):
+
+* chat: prompt lognormal (median 1024 tokens, sigma 1.0, clipped to 64..8192), output lognormal (median 128,
+  sigma 0.7, clipped to 16..512);
+* long-context: prompt log-uniform 16k..96k tokens, output 128;
+* stationary: 3000 requests, Poisson arrivals at ``--rate`` requests/s, each long-context with probability 2%;
+* phased: 1500 chat requests (Poisson, ``--rate``), then 60 long-context requests arriving uniformly over
+  5% of the trace's duration, then 1500 chat requests.
+
+``--scale f`` keeps the first ``f`` of each phase's requests and compresses nothing: the arrival rate is the
+same, so durations shrink in proportion. Arrival rate rule: the highest at which the unified engine keeps its
+queue bounded on the stationary trace (``--find-rate``: a bisection over short stationary runs; bounded =
+the queue in the last quarter of the arrivals never exceeds its peak over the first three quarters plus
+8); every system then gets that same rate, passed as ``--rate``.
+
+Systems (``--systems``, comma-separated; same budget, same process, same kernels): ``unified`` (the arena
+shared by KV pages and state slots), ``static0.25`` / ``static0.5`` / ``static0.75`` (the same engine with
+the budget split in advance: KV pages may use that share, state slots the rest), ``simbest`` (the static
+split the capacity simulator finds best for the trace: it runs the simulator's grid over the trace first and
+reports the share), ``stock_cb`` (stock transformers ``generate_batch`` on the same model, uncompiled: its
+error is recorded), ``stock_static`` (stock transformers' static cache + torch.compile, ``generate()`` in
+fixed batches of 32 chat requests in arrival order, each batch when its last request has arrived; the
+long-context requests are not run: the message says what a static cache for them would need).
+
+Metrics per system: mean and peak concurrent requests (requests holding memory, sampled every 0.25 s),
+preemptions, TTFT and TPOT p50 / p99 (seconds), output tokens/s and requests/s over the run, refusals (steps
+whose queue head found no room) and refusals with room (the arena's free bytes could have held it), pages
+and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots.
+``--step-check``: the engine's decode step at 32 running rows against the runner's ``generate()`` step at
+batch 32 (ms per step; the target is within 1.2x).
+
+GPU, full run (one H200; ~2 x 3000 requests per system: budget about 15-25 minutes per system and trace at
+a rate near capacity; run systems in separate device calls, each writes its JSON):
+    python benchmarks/bench_serving.py --systems unified --traces stationary,phased --rate R --out $OUT/serving_unified.json
+GPU, reduced (fits a few minutes): --scale 0.05 --systems unified,static0.5 --traces phased
+CPU smoke (tiny model, seconds after compiles): python benchmarks/bench_serving.py --device cpu --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+GIB = 1 << 30
+SYSTEMS = ("unified", "static0.25", "static0.5", "static0.75", "simbest", "stock_cb", "stock_static")
+TRACE_NAMES = ("stationary", "phased")
+
+
+# ---------------------------------------------------------------------------------------------- traces
+def chat_lengths(rng: np.random.Generator, n: int, scale_tokens: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Chat: prompt lognormal (median 1024, sigma 1.0, clipped 64..8192), output lognormal (median 128,
+    sigma 0.7, clipped 16..512); ``scale_tokens`` shrinks every length (the CPU smoke run)."""
+    prompt = np.clip(rng.lognormal(math.log(1024), 1.0, n), 64, 8192)
+    output = np.clip(rng.lognormal(math.log(128), 0.7, n), 16, 512)
+    return (np.maximum(1, prompt * scale_tokens).astype(np.int64),
+            np.maximum(1, output * scale_tokens).astype(np.int64))
+
+
+def long_lengths(rng: np.random.Generator, n: int, scale_tokens: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Long context: prompt log-uniform 16k..96k tokens, output 128."""
+    prompt = np.exp(rng.uniform(math.log(16 * 1024), math.log(96 * 1024), n))
+    return (np.maximum(1, prompt * scale_tokens).astype(np.int64),
+            np.full(n, max(1, int(128 * scale_tokens)), dtype=np.int64))
+
+
+def make_trace(name: str, rate: float, seed: int, scale: float = 1.0, scale_tokens: float = 1.0) -> list[dict]:
+    """The trace's requests ``{"i", "arrival" (s), "prompt", "output", "kind"}`` sorted by arrival (module
+    docstring); ``scale``: the fraction of each phase's requests kept (at least one)."""
+    rng = np.random.default_rng(seed)
+
+    def count(n):
+        return max(1, int(round(n * scale)))
+
+    if name == "stationary":
+        n = count(3000)
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+        kinds = np.where(rng.random(n) < 0.02, "long", "chat")
+    elif name == "phased":
+        n_chat, n_long = count(1500), count(60)
+        first = np.cumsum(rng.exponential(1.0 / rate, n_chat))
+        duration = 2 * first[-1] / 0.95  # the two chat phases are 95% of the trace
+        long_start = first[-1]
+        longs = long_start + np.sort(rng.uniform(0, 0.05 * duration, n_long))
+        third = longs[-1] + np.cumsum(rng.exponential(1.0 / rate, n_chat))
+        arrivals = np.concatenate([first, longs, third])
+        kinds = np.array(["chat"] * n_chat + ["long"] * n_long + ["chat"] * n_chat)
+    else:
+        raise ValueError(f"unknown trace {name!r}; traces: {TRACE_NAMES}")
+    prompt = np.zeros(len(kinds), dtype=np.int64)
+    output = np.zeros(len(kinds), dtype=np.int64)
+    for kind, draw in (("chat", chat_lengths), ("long", long_lengths)):
+        sel = kinds == kind
+        prompt[sel], output[sel] = draw(rng, int(sel.sum()), scale_tokens)
+    order = np.argsort(arrivals, kind="stable")
+    return [{"i": int(k), "arrival": float(arrivals[j]), "prompt": int(prompt[j]), "output": int(output[j]),
+             "kind": str(kinds[j])} for k, j in enumerate(order)]
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def build(args):
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    device = torch.device(args.device)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(args.seed)
+    model = build_model(args.model).to(device=device, dtype=dtype).eval()
+    compiled = build_model(args.model).to(device=device, dtype=dtype).eval() if args.keep_stock else None
+    stock = compiled
+    unimem_compile.compile(model, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
+                           memory_budget=int(args.budget_gib * GIB), page_size=args.page_size,
+                           backend="aot_eager" if args.smoke else "inductor")
+    return model, stock
+
+
+def memory_for(model, system: str, share: float | None = None):
+    from unimem_compile.engine import PoolMemory, QuotaMemory
+
+    pool = model.unimem.pool
+    if system == "unified":
+        return PoolMemory(pool)
+    if system.startswith("static"):
+        return QuotaMemory(pool, float(system[len("static"):]))
+    if system == "simbest":
+        return QuotaMemory(pool, share)
+    raise ValueError(system)
+
+
+def sim_best_share(model, trace: list[dict], args) -> float:
+    """The static KV share the capacity simulator finds best for ``trace`` (grid 0.05 .. 0.95 step 0.05, most
+    mean concurrent requests) on the model's geometry and budget; arrivals in ticks of ``--sim-tick-s``."""
+    from unimem_compile.sim import Request, StaticSplitSystem, simulate
+
+    adapter = model.unimem.adapter
+    kv, state = adapter.kv_spec, adapter.state_spec
+    reqs = [Request(r["i"], int(r["arrival"] / args.sim_tick_s), r["prompt"], r["output"], r["kind"]) for r in trace]
+    best, best_mean = None, -1.0
+    for share in [round(0.05 * i, 2) for i in range(1, 20)]:
+        try:
+            system = StaticSplitSystem(kv, state, model.unimem.pool.layout.memory_budget, share, args.page_size)
+        except Exception:  # noqa: BLE001 - a share too small for one page or slot
+            continue
+        result = simulate(system, reqs, kv, state, tokens_per_tick=model.unimem.steps_ahead)
+        if result.mean_concurrent > best_mean:
+            best, best_mean = share, result.mean_concurrent
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def percentile(values, q):
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def run_engine(model, system: str, trace: list[dict], args, share: float | None = None) -> dict:
+    """Serve ``trace`` on the engine with ``system``'s memory; returns the metrics (module docstring)."""
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(args.seed + 1)
+    manager = model.init_continuous_batching(memory=memory_for(model, system, share),
+                                             max_prefill_tokens=args.max_prefill_tokens)
+    lay = model.unimem.pool.layout
+    timeline = {"t": [], "running": [], "waiting": [], "kv_bytes": [], "state_bytes": [], "generated": []}
+    stop = threading.Event()
+
+    def monitor(start):
+        while not stop.is_set():
+            m = manager.metrics()
+            timeline["t"].append(time.perf_counter() - start)
+            for k in ("running", "waiting", "kv_bytes", "state_bytes"):
+                timeline[k].append(m[k])
+            timeline["generated"].append(m["generated_tokens"])
+            stop.wait(args.sample_s)
+
+    prompts = [rng.integers(0, vocab, r["prompt"]).tolist() for r in trace]
+    refused = []
+    with torch.no_grad():
+        manager.start()
+        start = time.perf_counter()
+        watcher = threading.Thread(target=monitor, args=(start,), daemon=True)
+        watcher.start()
+        ids = {}
+        for r, p in zip(trace, prompts):
+            delay = start + r["arrival"] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                ids[manager.add_request(p, max_new_tokens=r["output"], min_new_tokens=r["output"])] = r
+            except Exception as e:  # noqa: BLE001 - a request the arena can never hold: recorded
+                refused.append({"i": r["i"], "error": f"{type(e).__name__}: {e}"})
+        results = {}
+        deadline = time.perf_counter() + args.drain_timeout_s
+        while len(results) < len(ids) and time.perf_counter() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+        end = time.perf_counter()
+        manager.stop(block=True, hard_stop=len(results) < len(ids))
+        stop.set()
+        watcher.join()
+    counters = manager.engine.counters
+    ttft, tpot, tokens = [], [], 0
+    for rid, out in results.items():
+        r = ids[rid]
+        tokens += len(out.generated_tokens)
+        first, last = out.lifespan
+        if first > 0:
+            ttft.append(first - (start + r["arrival"]))
+            if len(out.generated_tokens) > 1:
+                tpot.append((last - first) / (len(out.generated_tokens) - 1))
+    running = np.asarray(timeline["running"], dtype=np.float64)
+    gen = np.asarray(timeline["generated"], dtype=np.float64)
+    t = np.asarray(timeline["t"])
+    rate = (np.diff(gen) / np.maximum(np.diff(t), 1e-9)).tolist() if len(t) > 1 else []
+    stats = model.unimem.stats()
+    seconds = end - start
+    return {
+        "system": manager.engine.memory.name, "requests": len(trace), "served": len(results),
+        "failed": sum(1 for o in results.values() if o.error is not None), "never_fits": refused,
+        "mean_concurrent": float(running.mean()) if len(running) else 0.0,
+        "peak_concurrent": int(running.max()) if len(running) else 0,
+        "preemptions": counters["preemptions"], "refusals": counters["refusals"],
+        "refused_with_room": counters["refused_with_room"],
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "output_tokens_per_s": tokens / seconds, "requests_per_s": len(results) / seconds, "seconds": seconds,
+        "decode_ms_per_step": 1e3 * counters["decode_s"] / max(1, counters["decode_steps"]),
+        "mean_rows_per_step": counters["decode_row_steps"] / max(1, counters["decode_steps"]),
+        "leaked_pages": stats["kv_pages_used"], "leaked_slots": stats["state_slots_used"],
+        "kv_share": share if share is not None else getattr(manager.engine.memory, "kv_fraction", None),
+        "arena_bytes": lay.memory_budget,
+        "timeline": {**timeline, "tokens_per_s": rate},
+    }
+
+
+def run_stock_cb(stock, trace, args) -> dict:
+    """Stock transformers' generate_batch on the same (uncompiled) model: its error, or what it did."""
+    if stock is None:
+        return {"system": "stock generate_batch", "error": "not run (pass --keep-stock)"}
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [rng.integers(0, stock.config.vocab_size, min(r["prompt"], 64)).tolist() for r in trace[:2]]
+    try:
+        with torch.no_grad():
+            out = stock.generate_batch(prompts, max_new_tokens=4)
+        return {"system": "stock generate_batch", "error": None, "results": len(out)}
+    except Exception as e:  # noqa: BLE001 - the point: it refuses hybrid models
+        return {"system": "stock generate_batch", "error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def run_stock_static(stock, trace, args) -> dict:
+    """Stock static cache + compile, fixed batches of 32 chat requests in arrival order (left padded)."""
+    if stock is None:
+        return {"system": "stock static cache + compile", "error": "not run (pass --keep-stock)"}
+    chats = [r for r in trace if r["kind"] == "chat"]
+    longs = [r for r in trace if r["kind"] == "long"]
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = stock.config.vocab_size
+    device = next(stock.parameters()).device
+    ttft, tpot, tokens, error = [], [], 0, None
+    start = time.perf_counter()
+    try:
+        for b in range(0, len(chats), 32):
+            batch = chats[b:b + 32]
+            wait = start + batch[-1]["arrival"] - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            width = max(r["prompt"] for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for k, r in enumerate(batch):
+                ids[k, width - r["prompt"]:] = torch.from_numpy(rng.integers(0, vocab, r["prompt"]))
+                mask[k, width - r["prompt"]:] = 1
+            new = max(r["output"] for r in batch)
+            times = []
+
+            class Clock:
+                def put(self, value):
+                    times.append(time.perf_counter())
+
+                def end(self):
+                    pass
+
+            with torch.no_grad():
+                stock.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, cache_implementation="static",
+                               streamer=Clock())
+            first = times[1] if len(times) > 1 else times[-1]
+            for r in batch:
+                ttft.append(first - (start + r["arrival"]))
+                done = times[min(len(times) - 1, r["output"])]
+                if r["output"] > 1:
+                    tpot.append((done - first) / (r["output"] - 1))
+                tokens += r["output"]
+    except Exception as e:  # noqa: BLE001 - recorded
+        error = f"{type(e).__name__}: {e}"[:500]
+    seconds = time.perf_counter() - start
+    longest = max((r["prompt"] + r["output"] for r in longs), default=0)
+    return {"system": "stock static cache + compile", "error": error, "batches_of": 32,
+            "chat_requests": len(chats), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "output_tokens_per_s": tokens / seconds if seconds else None,
+            "long_context": (f"{len(longs)} long-context requests not run: a static cache sized for the longest "
+                             f"({longest} tokens) in a batch of 32 holds 32 x {longest} tokens of KV and 32 states "
+                             f"for every batch") if longs else None}
+
+
+def step_check(model, args) -> dict:
+    """The engine's decode step at 32 rows vs the runner's generate() step at batch 32, same prompt."""
+    rows = min(32, args.max_batch)
+    prompt, new = (1024, 64) if not args.smoke else (24, 8)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (rows, prompt), generator=g)
+    with torch.no_grad():
+        model.generate(ids.to(model.unimem.pool.device), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        with model.unimem.timed_decode() as timing:
+            model.generate(ids.to(model.unimem.pool.device), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        runner_ms = 1e3 * timing.decode_seconds() / max(1, timing.decode_steps)
+        for _ in range(2):  # the second round is warm
+            manager = model.init_continuous_batching(max_prefill_tokens=rows * prompt)
+            for row in ids.tolist():
+                manager.add_request(row, max_new_tokens=new, min_new_tokens=new)
+            while manager.step():
+                pass
+    c = manager.engine.counters
+    engine_ms = 1e3 * c["decode_s"] / max(1, c["decode_steps"])
+    return {"rows": rows, "prompt": prompt, "runner_ms_per_step": runner_ms, "engine_ms_per_step": engine_ms,
+            "ratio": engine_ms / runner_ms, "target": 1.2, "mean_rows_per_step": c["decode_row_steps"] / max(1, c["decode_steps"])}
+
+
+# ---------------------------------------------------------------------------------------------- rate
+def find_rate(model, args) -> dict:
+    """Bisection over short stationary runs for the highest rate with a bounded queue (module docstring)."""
+    lo, hi, tried = args.rate_lo, args.rate_hi, []
+    for _ in range(args.rate_iters):
+        mid = (lo + hi) / 2
+        trace = make_trace("stationary", mid, args.seed, args.scale, args.scale_tokens)
+        r = run_engine(model, "unified", trace, args)
+        waiting = np.asarray(r["timeline"]["waiting"])
+        cut = int(len(waiting) * 0.75)
+        bounded = len(waiting) < 4 or waiting[cut:].max() <= waiting[:cut].max() + 8
+        tried.append({"rate": mid, "bounded": bool(bounded), "max_waiting": int(waiting.max()) if len(waiting) else 0})
+        lo, hi = (mid, hi) if bounded else (lo, mid)
+    return {"rate": lo, "tried": tried}
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(results)
+    fig, axes = plt.subplots(2, len(traces), figsize=(7 * len(traces), 7), squeeze=False)
+    for col, trace in enumerate(traces):
+        for name, r in results[trace].items():
+            tl = r.get("timeline") if isinstance(r, dict) else None
+            if not tl or not tl["t"]:
+                continue
+            t = np.asarray(tl["t"])
+            occ = (np.asarray(tl["kv_bytes"]) + np.asarray(tl["state_bytes"])) / r["arena_bytes"]
+            axes[0][col].plot(t, occ, label=name)
+            if name == "unified":
+                axes[0][col].fill_between(t, 0, np.asarray(tl["state_bytes"]) / r["arena_bytes"], alpha=0.3,
+                                          label="unified: state slots")
+            if tl["tokens_per_s"]:
+                axes[1][col].plot(t[1:], tl["tokens_per_s"], label=name, lw=0.8)
+        axes[0][col].set(title=f"{trace}: arena occupancy", xlabel="s", ylabel="fraction of the arena")
+        axes[1][col].set(title=f"{trace}: output tokens/s", xlabel="s", ylabel="tokens/s")
+        axes[0][col].legend(fontsize=7)
+        axes[1][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny model, fp32, aot_eager, tiny traces (CPU check)")
+    p.add_argument("--model", default=None, help="preset (default kimi-linear-48b-8l; kimi-linear-tiny with --smoke)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--traces", default=",".join(TRACE_NAMES))
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each phase's requests (same rate)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (every system gets it)")
+    p.add_argument("--find-rate", action="store_true", help="bisect the rate on the unified engine first")
+    p.add_argument("--rate-lo", type=float, default=0.5)
+    p.add_argument("--rate-hi", type=float, default=64.0)
+    p.add_argument("--rate-iters", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-gib", type=float, default=None, help="arena (default 6; 0.002 with --smoke)")
+    p.add_argument("--max-batch", type=int, default=None, help="decode rows (default 64; 4 with --smoke)")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--sim-tick-s", type=float, default=0.05, help="seconds per simulator tick for simbest")
+    p.add_argument("--sample-s", type=float, default=0.25)
+    p.add_argument("--drain-timeout-s", type=float, default=3600.0)
+    p.add_argument("--step-check", action="store_true", help="decode step at 32 rows: engine vs runner generate()")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json)")
+    p.add_argument("--plots", default=None, help="folder of serving_<trace>.png (default benchmarks/plots)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model = args.model or "kimi-linear-tiny"
+        args.budget_gib = args.budget_gib or 600_000 / GIB
+        args.max_batch = args.max_batch or 4
+        args.max_seq_len = args.max_seq_len or 160
+        args.page_size = args.page_size or 16
+        args.scale_tokens = 1 / 128  # chat prompts 0.5..64 tokens, long ones 128..768 -> clipped below
+        args.scale = min(args.scale, 0.004)
+        args.rate = args.rate or 20.0
+        args.max_prefill_tokens = min(args.max_prefill_tokens, 32)
+    else:
+        args.model = args.model or "kimi-linear-48b-8l"
+        args.budget_gib = args.budget_gib or 6.0
+        args.max_batch = args.max_batch or 64
+        args.max_seq_len = args.max_seq_len or 96 * 1024 + 512
+        args.page_size = args.page_size or 64
+        args.scale_tokens = 1.0
+    systems = [s for s in args.systems.split(",") if s]
+    bad = sorted(set(systems) - set(SYSTEMS))
+    if bad:
+        p.error(f"unknown systems {bad}; systems: {','.join(SYSTEMS)}")
+    args.keep_stock = bool({"stock_cb", "stock_static"} & set(systems))
+    model, stock = build(args)
+    record = {"config": {k: v for k, v in vars(args).items()}, "machine": platform.node(),
+              "torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    if args.find_rate:
+        record["rate_search"] = find_rate(model, args)
+        args.rate = record["rate_search"]["rate"]
+    if args.rate is None:
+        p.error("--rate is required (or --find-rate)")
+    record["rate"] = args.rate
+    results = {}
+    for name in [t for t in args.traces.split(",") if t]:
+        trace = make_trace(name, args.rate, args.seed, args.scale, args.scale_tokens)
+        if args.smoke:  # the tiny model's max_seq_len
+            for r in trace:
+                r["prompt"] = int(min(r["prompt"], args.max_seq_len - r["output"] - 1))
+        results[name] = {}
+        for system in systems:
+            t0 = time.perf_counter()
+            if system == "stock_cb":
+                r = run_stock_cb(stock, trace, args)
+            elif system == "stock_static":
+                r = run_stock_static(stock, trace, args)
+            elif system == "simbest":
+                share = sim_best_share(model, trace, args)
+                r = run_engine(model, system, trace, args, share)
+            else:
+                r = run_engine(model, system, trace, args)
+            r["wall_s"] = time.perf_counter() - t0
+            results[name][system] = r
+            brief = {k: r.get(k) for k in ("mean_concurrent", "peak_concurrent", "preemptions", "ttft_p99_s",
+                                           "output_tokens_per_s", "refused_with_room", "leaked_pages", "error")}
+            print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
+        u, half = results[name].get("unified"), results[name].get("static0.5")
+        if u and half and half.get("mean_concurrent"):
+            results[name]["ratios"] = {"unified_over_50_50_mean_concurrent": u["mean_concurrent"] / half["mean_concurrent"],
+                                       "ttft_p99_over_50_50": (u["ttft_p99_s"] / half["ttft_p99_s"]
+                                                               if u["ttft_p99_s"] and half["ttft_p99_s"] else None)}
+    record["results"] = results
+    if args.step_check:
+        record["step_check"] = step_check(model, args)
+        print("step check", json.dumps(record["step_check"]), flush=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = args.out or os.path.join(here, "results", f"serving_{time.strftime('%Y-%m-%d')}.json")
+    plots = args.plots or os.path.join(here, "plots")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    os.makedirs(plots, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    plot(results, os.path.join(plots, "serving.png"))
+    print(f"wrote {out} and {os.path.join(plots, 'serving.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

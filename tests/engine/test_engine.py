@@ -1,0 +1,390 @@
+"""Continuous batching on the unified pool against stock transformers (fp32, CPU, ``aot_eager``).
+
+One compiled Kimi-Linear tiny model (MLA + KDA layers) serves every test, built under ``UNIMEM_DEBUG=1``:
+its pool poisons free pages and slots (NaN bytes: a read of memory a request does not hold shows up in
+its tokens), the launchers check every id against the live set, and the engine's memory checks the owner
+of every id it frees. Every request's greedy tokens must equal stock ``generate()`` on that prompt alone
+with the same settings, whatever else runs beside it: staggered arrivals, different lengths, EOS mid-run,
+cancellations, preemption with recompute (a static split of the arena with room for a few pages), a hypothesis
+state machine over the manager. Compiles dominate the cost: every test shares the model's graphs (a
+one-row prefill graph, the runner's steps of 1 and 2 rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from transformers import GenerationConfig
+
+import unimem_compile
+from unimem_compile.engine import QuotaMemory, RequestStatus
+from unimem_compile.errors import GeometryError
+from unimem_compile.hf.models import build_model
+from unimem_compile.runner.rows import UnsupportedGenerationSetting
+
+MAX_SEQ, PAGE, BATCH = 96, 16, 2  # two rows: buckets 1 and 2, few compiles
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(stock model, compiled model with the same weights); the compiled one under UNIMEM_DEBUG=1."""
+    saved = os.environ.get("UNIMEM_DEBUG")
+    os.environ["UNIMEM_DEBUG"] = "1"
+    torch._dynamo.reset()
+    stock, model = build_model("kimi-linear-tiny"), build_model("kimi-linear-tiny")
+    unimem_compile.compile(model, max_batch_size=BATCH, max_seq_len=MAX_SEQ, page_size=PAGE, backend="aot_eager")
+    assert model.unimem.pool.poison
+    yield stock, model
+    if saved is None:
+        os.environ.pop("UNIMEM_DEBUG", None)
+    else:
+        os.environ["UNIMEM_DEBUG"] = saved
+
+
+def prompts(lengths, seed, vocab):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+REF_TOKENS = 48  # stock runs once per (prompt, EOS) this long; a shorter greedy run is its prefix
+
+
+@functools.lru_cache(maxsize=None)
+def _stock(stock, prompt: tuple, eos) -> tuple:
+    kwargs = {} if eos is None else {"eos_token_id": eos}
+    with torch.no_grad():
+        out = stock.generate(torch.tensor([prompt]), max_new_tokens=REF_TOKENS, do_sample=False, **kwargs)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def reference(stock, prompt, max_new, eos=None) -> list[int]:
+    """Stock greedy generate() of ``prompt`` alone: ``max_new`` tokens, or fewer up to its EOS."""
+    assert max_new <= REF_TOKENS
+    return list(_stock(stock, tuple(prompt), eos))[:max_new]
+
+
+def assert_idle(model, manager=None):
+    """No page or slot held, no request left in the engine."""
+    s = model.unimem.stats()
+    assert (s["kv_pages_used"], s["state_slots_used"]) == (0, 0)
+    if manager is not None:
+        e = manager.engine
+        assert not e.scheduler.waiting and not e.scheduler.running and not e.rows
+        assert e.memory.pages == {} and e.memory.slots == {}
+
+
+def quota(model, pages: int) -> QuotaMemory:
+    """A static split of the model's arena whose KV share holds ``pages`` pages (and many slots)."""
+    lay = model.unimem.pool.layout
+    room = lay.usable - lay.sink_floor
+    memory = QuotaMemory(model.unimem.pool, (pages + 0.5) * lay.page_bytes / room)
+    assert memory.kv_cap_pages == pages and memory.state_cap_slots >= BATCH
+    return memory
+
+
+def drain(manager) -> dict:
+    """Step an unstarted manager until it is idle; returns its final results by id."""
+    while manager.step():
+        pass
+    results = {}
+    while (out := manager.get_result(timeout=0)) is not None:
+        if out.is_finished():
+            assert out.request_id not in results, "a final result delivered twice"
+            results[out.request_id] = out
+    return results
+
+
+# ------------------------------------------------------------------------------------------ generate_batch
+def test_generate_batch_matches_stock_and_shares_steps(pair):
+    stock, model = pair
+    vocab = model.config.vocab_size
+    batch = prompts([5, 37, 20, 9, 30, 14], seed=1, vocab=vocab)  # more prompts than rows: rows are reused
+    model.unimem.pool.reset_peaks()
+    out = model.generate_batch(batch, max_new_tokens=10, max_prefill_tokens=24)
+    assert list(out) == [f"req_{i}" for i in range(len(batch))]
+    for i, (rid, res) in enumerate(out.items()):
+        assert res.status == RequestStatus.FINISHED and res.is_finished() and res.error is None
+        assert res.prompt_ids == batch[i]
+        assert res.generated_tokens == reference(stock, batch[i], 10), rid
+    assert model.unimem.stats()["state_slots_peak"] > 1  # rows really ran side by side
+    assert_idle(model)
+
+
+def test_generate_batch_defaults_follow_the_generation_config(pair):
+    """No max_new_tokens: generate()'s 20 new tokens; the model's EOS id ends a request as in generate()."""
+    stock, model = pair
+    batch = prompts([11, 6], seed=2, vocab=model.config.vocab_size)
+    out = model.generate_batch(batch)
+    for i, res in enumerate(out.values()):
+        with torch.no_grad():
+            ref = stock.generate(torch.tensor([batch[i]]), do_sample=False)[0, len(batch[i]):].tolist()
+        assert res.generated_tokens == ref
+        assert len(ref) == 20 or ref[-1] == model.generation_config.eos_token_id
+    assert_idle(model)
+
+
+# ------------------------------------------------------------------------------------------ the manager
+def test_staggered_arrivals_eos_cancel_on_the_thread(pair):
+    stock, model = pair
+    vocab = model.config.vocab_size
+    ps = prompts([7, 33, 18, 25, 12], seed=3, vocab=vocab)
+    # EOS mid-run: the 4th token stock generates for prompt 1 becomes its EOS id
+    eos = reference(stock, ps[1], 16)[3]
+    with model.init_continuous_batching(max_prefill_tokens=16) as manager:
+        a = manager.add_request(ps[0], max_new_tokens=16)
+        b = manager.add_request(ps[1], request_id="eos", max_new_tokens=16, eos_token_id=eos, streaming=True)
+        first = next(manager.request_id_iter(b, timeout=120))  # b runs before the others arrive
+        assert first.status in (RequestStatus.DECODING, RequestStatus.FINISHED)
+        c = manager.add_request(ps[2], max_new_tokens=12)
+        d = manager.add_request(ps[3], max_new_tokens=40)
+        manager.cancel_request(d)
+        e = manager.add_request(ps[4], max_new_tokens=8)
+        results = {}
+        for rid in (a, b, c, d, e):
+            outs = list(manager.request_id_iter(rid, timeout=120))
+            results[rid] = outs[-1]
+            if rid == b:  # streaming: cumulative, never shrinking, the last one final
+                seqs = [first.generated_tokens] + [o.generated_tokens for o in outs]
+                assert all(x == y[:len(x)] for x, y in zip(seqs, seqs[1:]))
+                assert [o.is_finished() for o in outs].count(True) == 1
+    assert results[a].generated_tokens == reference(stock, ps[0], 16)
+    assert results[b].generated_tokens == reference(stock, ps[1], 16, eos)
+    assert results[b].generated_tokens[-1] == eos and len(results[b].generated_tokens) <= 4
+    assert results[c].generated_tokens == reference(stock, ps[2], 12)
+    assert results[e].generated_tokens == reference(stock, ps[4], 8)
+    cancelled = results[d]
+    assert cancelled.status == RequestStatus.FAILED and cancelled.error == "cancelled"
+    assert cancelled.generated_tokens == reference(stock, ps[3], 40)[:len(cancelled.generated_tokens)]
+    assert not manager.is_running()
+    assert_idle(model, manager)
+
+
+def test_preemption_recomputes_to_the_same_tokens(pair):
+    """A KV share of 6 pages (96 tokens) for requests that grow to 3-4 pages each: the newest request is
+    preempted while older ones grow, recomputed later from its prompt and tokens, and ends with stock's."""
+    stock, model = pair
+    ps = prompts([30, 26, 20, 34, 17], seed=4, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching(memory=quota(model, 6), max_prefill_tokens=40)
+    ids = [manager.add_request(p, max_new_tokens=24) for p in ps]
+    model.unimem.pool.reset_peaks()
+    results = drain(manager)
+    assert manager.engine.counters["preemptions"] > 0
+    assert manager.engine.counters["peak_rows"] > 1
+    for rid, p in zip(ids, ps):
+        assert results[rid].status == RequestStatus.FINISHED
+        assert results[rid].generated_tokens == reference(stock, p, 24), rid
+    assert_idle(model, manager)
+
+
+def test_sampled_rows_beside_greedy_rows(pair):
+    """Per-request settings in one step: a sampled request with a seed draws the same tokens beside either
+    greedy neighbour, in either row (its noise depends on its seed and token index only); the greedy ones,
+    one with a repetition penalty, stay stock's."""
+    stock, model = pair
+    ps = prompts([9, 21, 15], seed=5, vocab=model.config.vocab_size)
+    sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    manager = model.init_continuous_batching()
+    s1 = manager.add_request(ps[0], max_new_tokens=8, **sampled)
+    g1 = manager.add_request(ps[1], max_new_tokens=12)
+    first = drain(manager)
+    g2 = manager.add_request(ps[2], max_new_tokens=12, repetition_penalty=1.3)
+    s2 = manager.add_request(ps[0], max_new_tokens=8, **sampled)
+    second = drain(manager)
+    assert first[s1].generated_tokens == second[s2].generated_tokens
+    assert first[s1].generated_tokens != reference(stock, ps[0], 8)  # it did sample
+    assert first[g1].generated_tokens == reference(stock, ps[1], 12)
+    with torch.no_grad():
+        ref = stock.generate(torch.tensor([ps[2]]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
+    assert second[g2].generated_tokens == ref[0, len(ps[2]):].tolist()
+    assert_idle(model, manager)
+
+
+def test_stop_sequences_end_a_request(pair):
+    stock, model = pair
+    (p,) = prompts([13], seed=6, vocab=model.config.vocab_size)
+    ref = reference(stock, p, 16)
+    stop = ref[4:6]
+    out = model.generate_batch([p], max_new_tokens=16, stop_sequences=[[vocab_outside := 1, 1], stop])
+    got = out["req_0"].generated_tokens
+    end = next(i + 2 for i in range(len(ref) - 1) if ref[i:i + 2] == stop)
+    assert vocab_outside == 1 and got == ref[:end]
+    assert_idle(model)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_requests_raise_and_the_others_go_on(pair):
+    stock, model = pair
+    vocab = model.config.vocab_size
+    (p,) = prompts([10], seed=7, vocab=vocab)
+    manager = model.init_continuous_batching()
+    good = manager.add_request(p, request_id="good", max_new_tokens=6)
+    with pytest.raises(ValueError, match="empty"):
+        manager.add_request([])
+    with pytest.raises(ValueError, match=rf"token id {vocab}, outside the vocabulary \[0, {vocab}\)"):
+        manager.add_request(p + [vocab])
+    with pytest.raises(ValueError, match="token id -1"):
+        manager.add_request([-1, 5])
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+            manager.add_request(p, max_new_tokens=bad)
+    with pytest.raises(ValueError, match="'good' is in use"):
+        manager.add_request(p, request_id="good")
+    with pytest.raises(GeometryError, match=rf"90 tokens \+ max_new_tokens=10 is 100 tokens, more than max_seq_len={MAX_SEQ}"):
+        manager.add_request(list(range(3, 93)), max_new_tokens=10)
+    with pytest.raises(ValueError, match="does not take 'num_beams'"):
+        manager.add_request(p, num_beams=2)
+    with pytest.raises(ValueError, match="does not take 'typical_p'"):
+        manager.add_request(p, do_sample=True, typical_p=0.5)
+    beams = model.init_continuous_batching(generation_config=GenerationConfig(num_beams=2))
+    with pytest.raises(UnsupportedGenerationSetting, match="num_beams=2"):
+        beams.add_request(p)
+    with pytest.raises(KeyError, match="no request 'nope'"):
+        manager.get_result("nope", timeout=0)
+    small = model.init_continuous_batching(memory=quota(model, 2))
+    with pytest.raises(GeometryError, match=r"of 60 tokens \(4 pages of 16 tokens and one state\) never fits"):
+        small.add_request(list(range(3, 43)), max_new_tokens=20)
+    results = drain(manager)
+    assert results[good].generated_tokens == reference(stock, p, 6)
+    manager.stop()
+    with pytest.raises(RuntimeError, match="after stop"):
+        manager.add_request(p)
+    with pytest.raises(KeyError):
+        manager.get_result(good, timeout=0)  # taken already
+    assert_idle(model, manager)
+
+
+def test_a_request_whose_step_raises_fails_alone(pair, monkeypatch):
+    stock, model = pair
+    ps = prompts([12, 8, 16], seed=8, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    engine = manager.engine
+    original = engine._prefill_chunk
+
+    def flaky(req, chunk):
+        if req.rid == "bad":
+            raise RuntimeError("planted failure")
+        return original(req, chunk)
+
+    monkeypatch.setattr(engine, "_prefill_chunk", flaky)
+    ids = [manager.add_request(ps[0], max_new_tokens=6),
+           manager.add_request(ps[1], request_id="bad", max_new_tokens=6),
+           manager.add_request(ps[2], max_new_tokens=6)]
+    results = drain(manager)
+    assert results["bad"].status == RequestStatus.FAILED and "planted failure" in results["bad"].error
+    for rid, p in ((ids[0], ps[0]), (ids[2], ps[2])):
+        assert results[rid].status == RequestStatus.FINISHED
+        assert results[rid].generated_tokens == reference(stock, p, 6)
+    assert engine.counters["failed"] == 1
+    assert_idle(model, manager)
+
+
+def test_generate_between_two_engine_steps(pair):
+    """generate() between two engine steps (the generate lock orders them): it rewrites the runner's row
+    state, the engine puts its rows back, and both give stock's tokens."""
+    stock, model = pair
+    ps = prompts([14, 19, 11], seed=9, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    ids = [manager.add_request(p, max_new_tokens=10) for p in ps[:2]]
+    manager.step()
+    manager.step()
+    assert manager.engine.rows  # decoding
+    with torch.no_grad():
+        got = model.generate(torch.tensor([ps[2]]), max_new_tokens=10, do_sample=False)
+    assert got[0, len(ps[2]):].tolist() == reference(stock, ps[2], 10)
+    results = drain(manager)
+    for rid, p in zip(ids, ps):
+        assert results[rid].generated_tokens == reference(stock, p, 10)
+    assert_idle(model, manager)
+
+
+# ------------------------------------------------------------------------------------------ state machine
+class ManagerMachine(RuleBasedStateMachine):
+    """add / cancel / step / stop at random on an unstarted manager over a 5-page KV share (preemption)."""
+
+    stock = model = None
+    pool_prompts: list[list[int]] = []
+    served = preempted = 0  # over every example: the machine really ran requests, and preempted some
+
+    def __init__(self):
+        super().__init__()
+        self.manager = self.model.init_continuous_batching(memory=quota(self.model, 5), max_prefill_tokens=20)
+        self.added: dict[str, tuple[int, int]] = {}  # rid -> (prompt index, max_new)
+        self.results: dict[str, object] = {}
+        self.cancelled: set[str] = set()
+        self.stopped = False
+
+    def _collect(self):
+        while (out := self.manager.get_result(timeout=0)) is not None:
+            if out.is_finished():
+                assert out.request_id not in self.results, "a request finished twice"
+                self.results[out.request_id] = out
+
+    @rule(prompt=st.integers(0, 3), max_new=st.integers(1, 40))
+    def add(self, prompt, max_new):
+        if self.stopped:
+            with pytest.raises(RuntimeError):
+                self.manager.add_request(self.pool_prompts[prompt])
+            return
+        rid = self.manager.add_request(self.pool_prompts[prompt], max_new_tokens=max_new)
+        self.added[rid] = (prompt, max_new)
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        if self.added:
+            rid = data.draw(st.sampled_from(sorted(self.added)))
+            self.manager.cancel_request(rid)
+            self.cancelled.add(rid)
+
+    @rule(n=st.integers(1, 3))
+    def step(self, n):
+        for _ in range(n):
+            self.manager.step()
+        self._collect()
+
+    @rule()
+    def stop(self):
+        self.manager.stop()
+        self.stopped = True
+
+    @invariant()
+    def memory_matches_the_running_requests(self):
+        e = self.manager.engine
+        running = {r.rid for r in e.scheduler.running}
+        assert set(e.memory.pages) == running and set(e.memory.slots) == running
+        alloc = e.memory.pool.allocator
+        assert alloc.pages_used == sum(map(len, e.memory.pages.values()))
+        assert alloc.slots_used == len(running)
+        assert len(e.rows) <= BATCH
+
+    def teardown(self):
+        while self.manager.step():
+            pass
+        self._collect()
+        assert set(self.results) == set(self.added), "a request was lost"
+        ManagerMachine.served += len(self.results)
+        ManagerMachine.preempted += self.manager.engine.counters["preemptions"]
+        for rid, (prompt, max_new) in self.added.items():
+            out = self.results[rid]
+            ref = reference(self.stock, self.pool_prompts[prompt], max_new)
+            if out.status == RequestStatus.FAILED:
+                assert rid in self.cancelled and out.error == "cancelled"
+                assert out.generated_tokens == ref[:len(out.generated_tokens)]
+            else:
+                assert out.status == RequestStatus.FINISHED
+                assert out.generated_tokens == ref, rid
+        assert_idle(self.model, self.manager)
+
+
+def test_manager_state_machine(pair):
+    ManagerMachine.stock, ManagerMachine.model = pair
+    ManagerMachine.pool_prompts = prompts([9, 30, 22, 40], seed=10, vocab=pair[1].config.vocab_size)
+    ManagerMachine.TestCase.settings = settings(max_examples=4, stateful_step_count=10, derandomize=True, deadline=None,
+                                                suppress_health_check=list(HealthCheck))
+    ManagerMachine.TestCase().runTest()
+    assert ManagerMachine.served > 0 and ManagerMachine.preempted > 0
