@@ -87,11 +87,13 @@ def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
     engine, _, server = live
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     before = len(engine.submitted)
-    r = client.completions.create(model="fake", prompt=["a", "bc"], n=3, max_tokens=4, seed=11, temperature=0.7)
+    r = client.completions.create(model="fake", prompt=["a", "bc"], n=3, max_tokens=4, seed=11, temperature=0.7,
+                                  extra_body={"min_tokens": 2})
     assert [c.index for c in r.choices] == list(range(6)) and {c.text for c in r.choices} == {REPLY[:3]}
     subs = engine.submitted[before:]
     assert [len(p) for p, _ in subs] == [2, 2, 2, 3, 3, 3]
     assert [s.seed for _, s in subs] == [11, 12, 13] * 2 and {s.temperature for _, s in subs} == {0.7}
+    assert {(s.max_new_tokens, s.min_new_tokens) for _, s in subs} == {(4, 2)}
     assert r.usage.prompt_tokens == 5
 
 
@@ -110,6 +112,7 @@ def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
     ({"model": "fake", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", ["at most 4", "5"]),
     ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
     ({"prompt": "x"}, "model", ["required"]),
+    ({"model": "fake", "prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", ["4", "(3)"]),
 ])
 def test_bad_completion_bodies_get_400_naming_the_field_and_numbers(live, body, param, words):
     engine, _, server = live

@@ -251,7 +251,8 @@ def _limits(state: ServerState, prompt_ids: list[int], max_tokens: Optional[int]
 def _sampling(body, max_new: int, j: int) -> Sampling:
     # choice j of n draws from seed + j, so n sampled choices differ and the response is reproducible
     seed = None if body.seed is None else body.seed + j
-    return Sampling(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=seed)
+    return Sampling(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=seed,
+                    min_new_tokens=body.min_tokens)
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
@@ -274,7 +275,7 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 async def _run(state: ServerState, request: Request, prompts: list[list[int]], body, chat: bool) -> Response:
-    max_new = [_limits(state, p, body.limit if chat else body.max_tokens,
+    max_new = [_limits(state, p, body.limit,
                        "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt.{i}"))
                for i, p in enumerate(prompts)]
     choices, sampling = [], []

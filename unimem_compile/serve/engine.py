@@ -38,12 +38,14 @@ class Sampling:
             0: greedy; > 0: sampled at that temperature.
         top_p: nucleus mass in (0, 1], None: the generation config's.
         seed: the request's sampling seed, None: the engine's stream.
+        min_new_tokens: EOS is ignored before this many tokens (None: the generation config's).
     """
 
     max_new_tokens: int
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
+    min_new_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ class ManagerEngine:
             kwargs["top_p"] = sampling.top_p
         if sampling.seed is not None:
             kwargs["seed"] = sampling.seed
+        if sampling.min_new_tokens is not None:
+            kwargs["min_new_tokens"] = sampling.min_new_tokens
         with self._lock:
             self._handlers[rid] = on_update
         try:

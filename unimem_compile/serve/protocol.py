@@ -120,6 +120,8 @@ class _Sampling(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    #: an extension (vLLM's name): the reply runs at least this many tokens, EOS ignored until then
+    min_tokens: Optional[int] = Field(None, ge=0)
 
     #: fields OpenAI has and this server does not implement -> the test a value passes to be accepted
     NEUTRAL: ClassVar[dict] = {
@@ -137,6 +139,9 @@ class _Sampling(_Strict):
         if len(self.stop_list) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(self.stop_list)}", param="stop",
                            code="invalid_value")
+        if self.min_tokens and self.limit is not None and self.min_tokens > self.limit:
+            raise APIError(400, f"min_tokens: {self.min_tokens} is more than max_tokens ({self.limit})",
+                           param="min_tokens", code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
                            code="invalid_value")
@@ -169,6 +174,10 @@ class CompletionRequest(_Sampling):
         "best_of": lambda v: v is None or v == 1,
         "suffix": lambda v: not v,
     }
+
+    @property
+    def limit(self) -> Optional[int]:
+        return self.max_tokens
 
 
 class TextPart(_Strict):
