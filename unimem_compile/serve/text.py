@@ -174,8 +174,10 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """OpenAI's ``stop`` strings on text that arrives in pieces.
 
-    The reply ends just before the earliest occurrence of any stop string, and the stop string is not
-    returned (OpenAI's trimming). To never emit text that a later piece turns into the start of a match,
+    The reply ends at the first character that completes a stop string, just before that stop string (of
+    the strings completed by that character, the one that starts first), and the stop string is not
+    returned (OpenAI's trimming). Deciding character by character makes the result independent of how the
+    text is cut into tokens and events. To never emit text that a later piece turns into the start of a match,
     the longest tail of the text that begins some stop string (at most ``max(len(s)) - 1`` characters) is
     held back until more text (or :meth:`flush`) decides it.
 
@@ -194,12 +196,14 @@ class StopMatcher:
         later call returns ""."""
         if self.stopped:
             return ""
+        start = len(self._pending)
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self._pending = self._pending[:min(hits)], ""
-            return out
+        for end in range(start + 1, len(self._pending) + 1):
+            hits = [end - len(s) for s in self.stops if self._pending.endswith(s, 0, end)]
+            if hits:
+                self.stopped = True
+                out, self._pending = self._pending[:min(hits)], ""
+                return out
         keep = next((k for k in range(min(self._hold, len(self._pending)), 0, -1)
                      if any(s.startswith(self._pending[-k:]) for s in self.stops)), 0)
         cut = len(self._pending) - keep
