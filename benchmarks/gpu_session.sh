@@ -13,6 +13,11 @@
 #          demo_real bench_passes bench_state_passes bench_generate
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
+#          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
+#          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
+#          their wheels in .whl/ (pip download --no-deps -d .whl starlette uvicorn sse-starlette prometheus-client
+#          h11 anyio sniffio httpx2 httpcore2 pydantic pydantic-core annotated-types typing-inspection
+#          -c constraints/ci.txt) where the machine lacks them)
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -74,6 +79,9 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
+    bench_serving_http) run_step bench_serving_http 590 python3 -P benchmarks/bench_serving_http.py \
+                          --scale "${HTTP_SCALE:-0.05}" --duration "${HTTP_DURATION:-60}" --rate "${HTTP_RATE:-4}" \
+                          --out "$OUT/json/serving_http.json" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac
 done
