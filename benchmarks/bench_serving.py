@@ -39,7 +39,8 @@ batch 32 (ms per step; the target is within 1.2x).
 
 GPU, full run (one H200; ~2 x 3000 requests per system: budget about 15-25 minutes per system and trace at
 a rate near capacity; run systems in separate device calls, each writes its JSON):
-    python benchmarks/bench_serving.py --systems unified --traces stationary,phased --rate R --out $OUT/serving_unified.json
+    python benchmarks/bench_serving.py --systems unified --traces stationary,phased --rate R \
+        --out $OUT/serving_unified.json
 GPU, reduced (fits a few minutes): --scale 0.05 --systems unified,static0.5 --traces phased
 CPU smoke (tiny model, seconds after compiles): python benchmarks/bench_serving.py --device cpu --smoke
 """
@@ -340,7 +341,20 @@ def step_check(model, args) -> dict:
     c = manager.engine.counters
     engine_ms = 1e3 * c["decode_s"] / max(1, c["decode_steps"])
     return {"rows": rows, "prompt": prompt, "runner_ms_per_step": runner_ms, "engine_ms_per_step": engine_ms,
-            "ratio": engine_ms / runner_ms, "target": 1.2, "mean_rows_per_step": c["decode_row_steps"] / max(1, c["decode_steps"])}
+            "ratio": engine_ms / runner_ms, "target": 1.2,
+            "mean_rows_per_step": c["decode_row_steps"] / max(1, c["decode_steps"])}
+
+
+def warm_up(model, args) -> float:
+    """Build every decode bucket's greedy step (compile, capture) and the prefill graphs (a chunk of several
+    tokens and a one-token chunk) before any timed run; returns the seconds it took."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.unimem.capture()
+        vocab = model.config.vocab_size
+        prompt = list(range(1, min(vocab, args.max_prefill_tokens + 2)))  # two chunks: the last of one token
+        model.generate_batch([prompt], max_new_tokens=2, max_prefill_tokens=args.max_prefill_tokens)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------- rate
@@ -391,7 +405,8 @@ def plot(results: dict, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny model, fp32, aot_eager, tiny traces (CPU check)")
     p.add_argument("--model", default=None, help="preset (default kimi-linear-48b-8l; kimi-linear-tiny with --smoke)")
@@ -440,7 +455,10 @@ def main(argv=None) -> int:
     args.keep_stock = bool({"stock_cb", "stock_static"} & set(systems))
     model, stock = build(args)
     record = {"config": {k: v for k, v in vars(args).items()}, "machine": platform.node(),
-              "torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+              "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    if any(s not in ("stock_cb", "stock_static") for s in systems) or args.find_rate:
+        record["warm_up_s"] = warm_up(model, args)  # compiles and captures outside every timed run
     if args.find_rate:
         record["rate_search"] = find_rate(model, args)
         args.rate = record["rate_search"]["rate"]
@@ -472,7 +490,8 @@ def main(argv=None) -> int:
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
         u, half = results[name].get("unified"), results[name].get("static0.5")
         if u and half and half.get("mean_concurrent"):
-            results[name]["ratios"] = {"unified_over_50_50_mean_concurrent": u["mean_concurrent"] / half["mean_concurrent"],
+            results[name]["ratios"] = {"unified_over_50_50_mean_concurrent":
+                                       u["mean_concurrent"] / half["mean_concurrent"],
                                        "ttft_p99_over_50_50": (u["ttft_p99_s"] / half["ttft_p99_s"]
                                                                if u["ttft_p99_s"] and half["ttft_p99_s"] else None)}
     record["results"] = results

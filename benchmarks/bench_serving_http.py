@@ -5,9 +5,8 @@ Model ``kimi-linear-48b-8l`` (8 layers, 2 MLA + 6 KDA, the real per-layer geomet
 6 GiB arena (bench_serving's defaults, and its :func:`make_trace`: prompt and output lengths, Poisson
 arrivals at ``--rate``, 2% long-context requests). The same compiled model runs, in this order:
 
-0. a warm-up (discarded): ``--max-batch`` requests at once with outputs of 2 .. max_batch + 1 tokens, so every
-   decode bucket's graph is built before either measured run, and one prompt of two full prefill chunks and a
-   remainder;
+0. ``bench_serving.warm_up``: every decode bucket's step and the prefill graphs are built before either
+   measured run;
 1. in-process: ``bench_serving.run_engine`` (the engine's own benchmark: requests added at their arrival
    times, results read from the manager);
 2. over HTTP: the server's app (:mod:`unimem_compile.serve`, the same code ``serve`` runs) on a uvicorn
@@ -207,15 +206,10 @@ def main(argv=None) -> int:
     for r in trace:  # as bench_serving: a request must fit max_seq_len
         r["prompt"] = int(min(r["prompt"], args.max_seq_len - r["output"] - 1))
     model, _ = bench_serving.build(args)
-    # warm-up, discarded: max_batch requests at once with outputs 2 .. max_batch + 1, so the running rows step
-    # down through every decode bucket and each graph is compiled before either measured run
-    warm = [{"i": k, "arrival": 0.0, "prompt": 8 + k, "output": 2 + k, "kind": "chat"} for k in range(args.max_batch)]
-    long = min(args.max_seq_len - 8, 2 * args.max_prefill_tokens + 3)  # full prefill chunks and a remainder
-    warm.append({"i": len(warm), "arrival": 0.0, "prompt": long, "output": 4, "kind": "long"})
-    bench_serving.run_engine(model, "unified", warm, args)
+    warm_up_s = bench_serving.warm_up(model, args)  # every decode bucket's step and the prefill graphs
     result = {"model": args.model, "device": args.device, "torch": torch.__version__, "rate": args.rate,
               "scale": args.scale, "duration": args.duration, "requests": len(trace),
-              "budget_bytes": int(args.budget_gib * GIB), "max_batch": args.max_batch}
+              "budget_bytes": int(args.budget_gib * GIB), "max_batch": args.max_batch, "warm_up_s": warm_up_s}
     if not args.skip_in_process:
         inproc = bench_serving.run_engine(model, "unified", trace, args)
         inproc.pop("timeline", None)

@@ -11,6 +11,7 @@
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
+#          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit)
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
@@ -79,6 +80,8 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
+    bench_serving) run_step bench_serving "${SERVE_LIMIT:-570}" python3 -P benchmarks/bench_serving.py \
+                     --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --max-batch 32 --systems unified,static0.5 --traces phased --rate 8 --step-check} ;;
     bench_serving_http) run_step bench_serving_http 590 python3 -P benchmarks/bench_serving_http.py \
                           --scale "${HTTP_SCALE:-0.05}" --duration "${HTTP_DURATION:-60}" --rate "${HTTP_RATE:-4}" \
                           --out "$OUT/json/serving_http.json" ;;

@@ -211,3 +211,25 @@ def test_prefill_model_level_records_a_row_per_length(tmp_path):
         stock = row["systems"]["stock"]
         assert stock["prefill_ms"] > 0 and stock["prefill_tokens_per_s"] > 0 and row["bound_ms"] > 0
         assert stock["x_of_bound"] == stock["prefill_ms"] / row["bound_ms"]
+
+
+def test_serving_traces_follow_their_definition():
+    """bench_serving's traces (no model): counts, clips, the phased structure, --scale at the same rate."""
+    bench = _script("bench_serving")
+    full = bench.make_trace("stationary", rate=4.0, seed=0)
+    assert len(full) == 3000 and [r["i"] for r in full] == list(range(3000))
+    chat = [r for r in full if r["kind"] == "chat"]
+    long = [r for r in full if r["kind"] == "long"]
+    assert 0.01 < len(long) / 3000 < 0.03
+    assert all(64 <= r["prompt"] <= 8192 and 16 <= r["output"] <= 512 for r in chat)
+    assert 900 < sorted(r["prompt"] for r in chat)[len(chat) // 2] < 1150  # median 1024
+    assert all(16 * 1024 <= r["prompt"] <= 96 * 1024 and r["output"] == 128 for r in long)
+    assert 3000 / full[-1]["arrival"] == pytest.approx(4.0, rel=0.08)
+    phased = bench.make_trace("phased", rate=4.0, seed=0)
+    kinds = [r["kind"] for r in phased]
+    assert kinds == ["chat"] * 1500 + ["long"] * 60 + ["chat"] * 1500
+    longs = [r["arrival"] for r in phased if r["kind"] == "long"]
+    assert longs[-1] - longs[0] <= 0.05 * phased[-1]["arrival"] * 1.1
+    small = bench.make_trace("phased", rate=4.0, seed=0, scale=0.1)
+    assert [r["kind"] for r in small] == ["chat"] * 150 + ["long"] * 6 + ["chat"] * 150
+    assert small[149]["arrival"] == pytest.approx(phased[149]["arrival"])  # same rate, shorter trace

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from ..errors import GeometryError
+from ..errors import GeometryError, UnsupportedModel
 from ..runner.rows import Rows, RowSettings
 from ..runner.sampling import decode_step
 from .memory import PoolMemory
@@ -119,6 +119,10 @@ class Engine:
 
     Every method runs on one thread (the manager's loop); :meth:`step` takes the generate lock.
 
+    Raises:
+        UnsupportedModel: a model without the decode runner, or compiled with ``tensor_parallel=True``.
+        GeometryError: a memory system over another pool. ValueError: ``max_prefill_tokens`` < 1.
+
     Attributes:
         scheduler: the :class:`~.scheduler.Scheduler`. rows: the decoding requests, row ``i`` = ``rows[i]``.
         counters: ``steps``, ``decode_steps``, ``decode_row_steps`` (rows x steps), ``decode_s`` (seconds in
@@ -133,7 +137,11 @@ class Engine:
                  reserve_fraction: float = DEFAULT_RESERVE_FRACTION):
         handle = getattr(model, "unimem", None)
         if handle is None or handle.runner is None:
-            raise GeometryError("the engine needs a model compiled by unimem_compile.compile (with its decode runner)")
+            raise UnsupportedModel("the engine needs a model compiled by unimem_compile.compile (with its decode "
+                                   "runner)")
+        if handle.tensor_parallel is not None:
+            raise UnsupportedModel("continuous batching under tensor parallelism is not supported yet (every rank "
+                                   "would have to agree on each step's admissions: docs/design.md 9.5)")
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
         self.model = model

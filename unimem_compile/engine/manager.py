@@ -253,7 +253,8 @@ class ContinuousBatchingManager:
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next result (any request's, or ``request_id``'s), waiting at most ``timeout`` seconds (None:
-        until one comes, or the loop ends); None when none came. A final result is returned once.
+        until one comes, or the loop ends); None when none came (at once when the loop does not run). A
+        final result is returned once.
 
         Raises:
             KeyError: ``request_id`` was never added, or its final result was taken already."""
@@ -267,9 +268,7 @@ class ContinuousBatchingManager:
                     if request_id is None or out.request_id == request_id:
                         del self._outbox[i]
                         return out
-                if self._thread is not None and not self._thread.is_alive() and not self._pending():
-                    return None
-                if self._thread is None and not self._pending():
+                if not self.is_running():  # nobody will produce one (a manager stepped by hand: step() first)
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -325,9 +324,6 @@ class ContinuousBatchingManager:
         if self.is_running():
             raise RuntimeError("step() on a started manager: its background loop steps it")
         return self._one_step()
-
-    def _pending(self) -> bool:
-        return bool(self._inbox) or self.engine.has_work
 
     def _one_step(self) -> bool:
         with self._lock:
