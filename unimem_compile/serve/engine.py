@@ -204,6 +204,8 @@ class ManagerEngine:
         while not self._closing.is_set():
             out = self.manager.get_result(timeout=self._poll_s)
             if out is None:
+                if not self.manager.is_running():  # get_result returns at once then: do not spin
+                    self._closing.wait(self._poll_s)
                 continue
             status = _status_name(out.status)
             update = Update(out.request_id, list(out.generated_tokens), status, getattr(out, "error", None))
