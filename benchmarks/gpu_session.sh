@@ -16,6 +16,11 @@
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2 demo_real_fp8
 #          bench_generate_fp8
+#          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
+#          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
+#          their wheels in .whl/ (pip download --no-deps -d .whl starlette uvicorn sse-starlette prometheus-client
+#          h11 anyio sniffio httpx2 httpcore2 pydantic pydantic-core annotated-types typing-inspection
+#          -c constraints/ci.txt) where the machine lacks them)
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -88,6 +93,9 @@ for s in "$@"; do
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate_fp8.json" ;;
     bench_serving) run_step bench_serving "${SERVE_LIMIT:-570}" python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --max-batch 32 --systems unified,static0.5 --traces phased --rate 8 --step-check} ;;
+    bench_serving_http) run_step bench_serving_http 590 python3 -P benchmarks/bench_serving_http.py \
+                          --scale "${HTTP_SCALE:-0.05}" --duration "${HTTP_DURATION:-60}" --rate "${HTTP_RATE:-4}" \
+                          --out "$OUT/json/serving_http.json" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""The ``unimem-compile`` command: ``demo``, ``pool-info`` and ``inspect``."""
+"""The ``unimem-compile`` command: ``demo``, ``pool-info``, ``inspect`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["parity"] else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve.server import ServeOptions, serve
+
+    for name in ("max_batch_size", "max_seq_len", "max_queue", "page_size"):
+        if getattr(args, name) <= 0:
+            print(f"unimem-compile serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return 2
+    if args.memory_budget is not None and not (0 < args.memory_budget < math.inf):
+        print(f"unimem-compile serve: --memory-budget must be bytes (> 1) or a fraction in (0, 1], got "
+              f"{args.memory_budget:g}", file=sys.stderr)
+        return 2
+    if args.memory_budget is not None and args.memory_budget > 1 and args.memory_budget != int(args.memory_budget):
+        print(f"unimem-compile serve: --memory-budget above 1 is bytes and must be whole, got {args.memory_budget:g}",
+              file=sys.stderr)
+        return 2
+    options = ServeOptions(
+        model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, memory_budget=args.memory_budget,
+        kv_dtype=args.kv_dtype, page_size=args.page_size, backend=args.backend, api_key=args.api_key,
+        max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, served_name=args.served_model_name,
+        log_level=args.log_level)
+    return serve(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .options import SHORT_DTYPE_NAMES
     from .pool import GEOMETRIES
@@ -146,6 +171,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print one MLA layer's decode (or prefill) graph before and after the rewrites")
     inspect_graphs.add_arguments(p)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the batching engine (docs/serve.md)")
+    s.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(MODEL_PRESETS)}: random weights, byte-level tokenizer) or a "
+                        "checkpoint folder (from_pretrained, its tokenizer and chat template)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on CUDA, fp32 on the CPU")
+    s.add_argument("--max-batch-size", type=int, default=32, help="most requests in one engine step (default 32)")
+    s.add_argument("--max-seq-len", type=int, default=8192,
+                   help="most tokens of one request, prompt + reply (default 8192, not the model's position limit)")
+    s.add_argument("--memory-budget", type=float, default=None,
+                   help="arena bytes (> 1) or a fraction in (0, 1] of free device memory (default: compile()'s)")
+    s.add_argument("--kv-dtype", default=None, help="dtype of the cached latent rows (default: the model's)")
+    s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    s.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="most requests waiting for admission; past it 429 with Retry-After (default 256)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGINT / SIGTERM (default 10)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model's name)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,88 @@
+"""A scripted engine for the HTTP layer's unit tests (the tests of record run the real engine:
+test_openai_live.py). Each request "generates" the UTF-8 bytes of a reply chosen by the test, as
+ByteCodec ids, one token per ``step_s`` on the engine's thread, then EOS if the reply is shorter than
+``max_new_tokens``; so every byte the server returns can be predicted exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from unimem_compile.serve.engine import EngineMetrics, QueueFull, Sampling, Update
+from unimem_compile.serve.text import ByteCodec
+
+
+class FakeEngine:
+    def __init__(self, reply: str | bytes = "Hello, world!", *, max_seq_len: int = 256, max_queue: int = 64,
+                 step_s: float = 0.002, fail_after: int | None = None):
+        self.reply = reply.encode() if isinstance(reply, str) else reply
+        self.max_seq_len = max_seq_len
+        self.max_queue = max_queue
+        self.step_s = step_s
+        self.fail_after = fail_after
+        self.lock = threading.Lock()
+        self.live: dict[str, dict] = {}
+        self.submitted: list[tuple[list[int], Sampling]] = []
+        self.cancelled: list[str] = []
+        self.finished: list[str] = []
+        self.counter = 0
+        self.closed = False
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt_ids, sampling, on_update):
+        with self.lock:
+            if len(self.live) >= self.max_queue:
+                raise QueueFull(f"{len(self.live)} requests held, the limit", retry_after=1.0)
+            self.counter += 1
+            rid = f"fake-{self.counter}"
+            self.live[rid] = {"cb": on_update, "tokens": [], "max": sampling.max_new_tokens}
+            self.submitted.append((list(prompt_ids), sampling))
+        self.wake.set()
+        return rid
+
+    def cancel(self, request_id):
+        with self.lock:
+            if self.live.pop(request_id, None) is not None:
+                self.cancelled.append(request_id)
+
+    def metrics(self):
+        with self.lock:
+            return EngineMetrics(running=len(self.live), waiting=0, kv_bytes=64 * len(self.live),
+                                 state_bytes=32 * len(self.live), free_bytes=4096 - 96 * len(self.live),
+                                 total_bytes=4096, tokens_per_s=1.5, preemptions=3)
+
+    def close(self, timeout=None):
+        self.closed = True
+        self.wake.set()
+        self.thread.join(timeout)
+
+    def _loop(self):
+        codec = ByteCodec(1024)
+        while not self.closed:
+            with self.lock:
+                items = list(self.live.items())
+            if not items:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            for rid, r in items:
+                k = len(r["tokens"])
+                if self.fail_after is not None and k == self.fail_after:
+                    status, tok = "failed", None
+                elif k < len(self.reply):
+                    tok = self.reply[k] + codec.offset
+                    status = "finished" if k + 1 == r["max"] else "running"
+                else:
+                    tok, status = codec.eos_token_id, "finished"
+                if tok is not None:
+                    r["tokens"].append(tok)
+                with self.lock:
+                    if rid not in self.live:
+                        continue
+                    if status != "running":
+                        del self.live[rid]
+                        self.finished.append(rid)
+                r["cb"](Update(rid, list(r["tokens"]), status, "scripted failure" if status == "failed" else None))
+            time.sleep(self.step_s)

@@ -1,0 +1,230 @@
+"""The HTTP layer against a scripted engine (fake_engine.py), over a live server on 127.0.0.1: the error
+bodies of docs/serve.md, authentication, refusals, SSE framing, stop strings, choices, disconnects. The
+same behaviour against the real engine: test_openai_live.py."""
+
+import json
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from unimem_compile.serve import ServerState, ServerThread
+from unimem_compile.serve.text import ByteCodec
+
+from .fake_engine import FakeEngine
+
+REPLY = "Hé, wörld ✓ STOP here 😀 end"
+KEY = "sk-test-7f3a"
+
+
+def _server(engine, **state):
+    st = ServerState(model_name="fake", codec=ByteCodec(1024), max_seq_len=engine.max_seq_len, engine=engine,
+                     ready=True, **state)
+    return st, ServerThread(st).start()
+
+
+@pytest.fixture(scope="module")
+def live():
+    engine = FakeEngine(REPLY, max_seq_len=64, max_queue=8)
+    state, server = _server(engine, api_key=KEY)
+    yield engine, state, server
+    server.stop()
+    engine.close()
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    return httpx.post(server.url + path, content=raw if raw is not None else json.dumps(body), headers=headers,
+                      timeout=30)
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_completion_and_chat_return_the_reply_and_usage(live):
+    engine, _, server = live
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    r = client.completions.create(model="fake", prompt="hi ✓", max_tokens=50)
+    assert r.choices[0].text == REPLY and r.choices[0].finish_reason == "stop"
+    n_reply = len(REPLY.encode()) + 1  # + the EOS token
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (1 + len("hi ✓".encode()), n_reply)
+    c = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert c.choices[0].message.content == REPLY.encode()[:5].decode() and c.choices[0].finish_reason == "length"
+    prompt_ids, sampling = engine.submitted[-1]
+    assert prompt_ids == ByteCodec(1024).chat_ids([{"role": "user", "content": "hi"}])
+    assert sampling.max_new_tokens == 5 and sampling.temperature is None
+
+
+def test_streamed_text_equals_the_non_streamed_text_and_chunks_are_openai_shaped(live):
+    _, _, server = live
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    for stop in (None, "STOP", ["wör", "😀"]):
+        whole = client.completions.create(model="fake", prompt="x", max_tokens=50, stop=stop)
+        chunks = list(client.completions.create(model="fake", prompt="x", max_tokens=50, stop=stop, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        text = "".join(c.choices[0].text for c in chunks[:-1])
+        assert text == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "stop"
+        # a multi-byte character is never split between events
+        assert all("\ufffd" not in c.choices[0].text for c in chunks[:-1])
+    assert whole.choices[0].text == "Hé, "  # "wör" comes before "😀"
+    chat = list(client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "q"}],
+                                               stop="STOP", stream=True))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == REPLY[:REPLY.index("STOP")]
+    assert chat[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
+    engine, _, server = live
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    before = len(engine.submitted)
+    r = client.completions.create(model="fake", prompt=["a", "bc"], n=3, max_tokens=4, seed=11, temperature=0.7,
+                                  extra_body={"min_tokens": 2})
+    assert [c.index for c in r.choices] == list(range(6)) and {c.text for c in r.choices} == {REPLY[:3]}
+    subs = engine.submitted[before:]
+    assert [len(p) for p, _ in subs] == [2, 2, 2, 3, 3, 3]
+    assert [s.seed for _, s in subs] == [11, 12, 13] * 2 and {s.temperature for _, s in subs} == {0.7}
+    assert {(s.max_new_tokens, s.min_new_tokens) for _, s in subs} == {(4, 2)}
+    assert r.usage.prompt_tokens == 5
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (None, None, ["not valid JSON"]),
+    ({"model": "fake", "prompt": "x", "max_tokens": "5"}, "max_tokens", ["valid integer", "'5'"]),
+    ({"model": "fake", "prompt": "x", "temperature": 2.5}, "temperature", ["less than or equal to 2", "2.5"]),
+    ({"model": "fake", "prompt": "x", "bogus": 1}, "bogus", ["unrecognized request argument"]),
+    ({"model": "fake", "prompt": "x", "stream": 1}, "stream", ["valid boolean"]),
+    ({"model": "fake", "prompt": "x", "max_tokens": 63}, "max_tokens", ["(2 tokens)", "(63)", "65", "64", "at most 62"]),
+    ({"model": "fake", "prompt": "y" * 70}, "prompt", ["71 tokens", "max_seq_len is 64"]),
+    ({"model": "fake", "prompt": []}, "prompt", ["empty"]),
+    ({"model": "fake", "prompt": [5, 4000]}, "prompt", ["token id 4000", "[0, 1024)"]),
+    ({"model": "fake", "prompt": "x", "n": 17}, "n", ["less than or equal to 16"]),
+    ({"model": "fake", "prompt": "x", "logprobs": 2}, "logprobs", ["not supported"]),
+    ({"model": "fake", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", ["at most 4", "5"]),
+    ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
+    ({"prompt": "x"}, "model", ["required"]),
+    ({"model": "fake", "prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", ["4", "(3)"]),
+])
+def test_bad_completion_bodies_get_400_naming_the_field_and_numbers(live, body, param, words):
+    engine, _, server = live
+    before = len(engine.submitted)
+    err = _error(_post(server, "/v1/completions", body, raw="{'model': 1" if body is None else None), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    for w in words:
+        assert w in err["message"], err["message"]
+    assert len(engine.submitted) == before  # nothing reached the engine
+
+
+def test_bad_chat_bodies_and_unknown_model(live):
+    _, _, server = live
+    err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [{"role": "robot",
+                                                                                       "content": "x"}]}), 400)
+    assert err["param"] == "messages.0.role" and "'robot'" in err["message"]
+    err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": []}), 400)
+    assert err["param"] == "messages"
+    err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+        {"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400)
+    assert err["param"] == "tools" and err["code"] == "unsupported_parameter"
+    err = _error(_post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404)
+    assert err["param"] == "model" and "'fake'" in err["message"]
+
+
+def test_api_key_is_required_and_refused_requests_never_reach_the_engine(live):
+    engine, _, server = live
+    before = len(engine.submitted)
+    for key in (None, "wrong"):
+        err = _error(_post(server, "/v1/completions", {"model": "fake", "prompt": "x"}, key=key), 401)
+        assert err["type"] == "authentication_error"
+        _error(httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {key}"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope").completions.create(model="fake", prompt="x")
+    assert len(engine.submitted) == before
+    models = httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == ["fake"] and models["data"][0]["max_model_len"] == 64
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+
+
+def test_a_full_engine_answers_429_with_retry_after():
+    engine = FakeEngine(REPLY * 4, max_seq_len=512, max_queue=2, step_s=0.05)
+    _, server = _server(engine)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        streams = [client.completions.create(model="fake", prompt="x", max_tokens=100, stream=True) for _ in range(2)]
+        resp = _post(server, "/v1/completions", {"model": "fake", "prompt": "x", "n": 1}, key=None)
+        err = _error(resp, 429)
+        assert resp.headers["retry-after"] == "1" and err["code"] == "queue_full"
+        for s in streams:
+            s.close()
+        deadline = time.monotonic() + 5
+        while engine.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.live
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_a_closed_stream_cancels_its_engine_request():
+    engine = FakeEngine(REPLY * 8, max_seq_len=512, step_s=0.02)
+    _, server = _server(engine)
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": "x", "max_tokens": 300, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        deadline = time.monotonic() + 5
+        while not engine.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(engine.cancelled) == 1 and not engine.live
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_a_failed_request_is_a_500_and_a_stream_error_event():
+    engine = FakeEngine(REPLY, fail_after=3)
+    _, server = _server(engine)
+    try:
+        err = _error(_post(server, "/v1/completions", {"model": "fake", "prompt": "x"}, key=None), 500)
+        assert "scripted failure" in err["message"] and err["type"] == "server_error"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIError, match="scripted failure"):
+            list(client.completions.create(model="fake", prompt="x", stream=True))
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_health_is_503_until_ready_and_metrics_name_the_engine_figures():
+    engine = FakeEngine(REPLY)
+    state, server = _server(engine)
+    try:
+        state.ready = False
+        assert httpx.get(server.url + "/health").json() == {"status": "loading"}
+        resp = _post(server, "/v1/completions", {"model": "fake", "prompt": "x"}, key=None)
+        assert _error(resp, 503)["code"] == "not_ready" and resp.headers["retry-after"] == "1"
+        state.ready = True
+        assert httpx.get(server.url + "/health").status_code == 200
+        _post(server, "/v1/completions", {"model": "fake", "prompt": "x", "max_tokens": 7}, key=None)
+        text = httpx.get(server.url + "/metrics").text
+        for line in ('unimem_requests_running 0.0', 'unimem_arena_bytes{side="kv"} 0.0',
+                     'unimem_arena_bytes{side="free"} 4096.0', 'unimem_preemptions_total 3.0',
+                     'unimem_engine_tokens_per_second 1.5', 'unimem_server_ready 1.0',
+                     'unimem_generation_tokens_total 7.0', 'unimem_prompt_tokens_total 2.0',
+                     'unimem_http_requests_total{endpoint="/v1/completions",status="503"} 1.0',
+                     'unimem_http_requests_total{endpoint="/v1/completions",status="200"} 1.0'):
+            assert line in text, line
+        state.shutting_down = True
+        assert httpx.get(server.url + "/health").json() == {"status": "shutting_down"}
+    finally:
+        server.stop()
+        engine.close()
