@@ -301,3 +301,30 @@ def test_captured_steps_run_grouped_mm_experts_as_batched_mm_for_non_bf16_weight
         runner.capture_graphs, runner._expert_configs = False, None
         for c, value in zip(configs, saved):
             c._experts_implementation_internal = value
+
+
+def test_a_new_cache_of_the_same_batch_size_does_not_hide_a_passed_cache_tables(deepseek):
+    """Caches of one batch size share the step buffers; creating one clears the tables there. The cache whose
+    tables were resident must upload them again on its next step (its second turn reads its history)."""
+    from transformers import DynamicCache
+
+    stock, model = deepseek
+    key = _cache_kwarg(stock)
+    ids = torch.randint(3, 1024, (2, 9), generator=torch.Generator().manual_seed(11))
+    extra = torch.randint(3, 1024, (2, 3), generator=torch.Generator().manual_seed(12))
+    dynamic, cache = DynamicCache(config=stock.config), model.unimem.new_cache(2)
+    other = None
+    try:
+        want1 = generate(stock, ids, None, max_new_tokens=4, do_sample=False, **{key: dynamic})
+        got1 = generate(model, ids, None, max_new_tokens=4, do_sample=False, **{key: cache})
+        assert torch.equal(got1, want1)
+        other = model.unimem.new_cache(2)  # never used: only created
+        turn2 = torch.cat([want1, extra], 1)
+        want2 = generate(stock, turn2, None, max_new_tokens=4, do_sample=False, **{key: dynamic})
+        got2 = generate(model, turn2, None, max_new_tokens=4, do_sample=False, **{key: cache})
+        assert torch.equal(got2, want2)
+    finally:
+        cache.release()
+        if other is not None:
+            other.release()
+    assert model.unimem.stats()["kv_pages_used"] == 0

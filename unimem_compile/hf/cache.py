@@ -236,6 +236,8 @@ class UnifiedCache(Cache):
                 self.pool, batch_size, self.buffers.page_table.shape[1],
                 out=(self.buffers.page_table, self.buffers.kv_len),
             )
+            # PageTables cleared the shared tables: whichever cache was resident there must upload again
+            self.buffers.resident = None
         self.slots: list[int] = []  # mutated in place: the orphan watch holds the same list
         self._out_offset = torch.zeros(batch_size, dtype=torch.int32)  # host copy of the left pads
         self._watch()
