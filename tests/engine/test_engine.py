@@ -242,6 +242,9 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
         manager.add_request(p, num_beams=2)
     with pytest.raises(ValueError, match="does not take 'typical_p'"):
         manager.add_request(p, do_sample=True, typical_p=0.5)
+    forks = model.init_continuous_batching(generation_config=GenerationConfig(do_sample=True, num_return_sequences=2))
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        forks.add_request(p)
     beams = model.init_continuous_batching(generation_config=GenerationConfig(num_beams=2))
     with pytest.raises(UnsupportedGenerationSetting, match="num_beams=2"):
         beams.add_request(p)
