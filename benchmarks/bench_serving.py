@@ -346,14 +346,20 @@ def step_check(model, args) -> dict:
 
 
 def warm_up(model, args) -> float:
-    """Build every decode bucket's greedy step (compile, capture) and the prefill graphs (a chunk of several
-    tokens and a one-token chunk) before any timed run; returns the seconds it took."""
+    """Build every decode bucket's greedy step (compile, capture) and the prefill graphs (chunks of several
+    tokens and of one, a one-token prompt) before any timed run; returns the seconds it took."""
     start = time.perf_counter()
     with torch.no_grad():
         model.unimem.capture()
         vocab = model.config.vocab_size
-        prompt = list(range(1, min(vocab, args.max_prefill_tokens + 2)))  # two chunks: the last of one token
-        model.generate_batch([prompt], max_new_tokens=2, max_prefill_tokens=args.max_prefill_tokens)
+        # four chunks, the last of one token: chunk offsets 0, 1, 2 and 3 budgets (Dynamo makes an int it guards
+        # on dynamic at its second value, and a first chunk at offset 0 may be a graph of its own)
+        n = min(3 * args.max_prefill_tokens + 1, args.max_seq_len - 3)
+        prompt = [1 + i % (vocab - 1) for i in range(n)]
+        # a one-token prompt too: a first chunk of one token is a graph of its own
+        # and a chunk of another length: Dynamo makes the query length symbolic at the second length it sees
+        model.generate_batch([prompt, [1], prompt[:args.max_prefill_tokens // 2 + 3]], max_new_tokens=2,
+                             max_prefill_tokens=args.max_prefill_tokens)
     return time.perf_counter() - start
 
 
@@ -470,6 +476,7 @@ def main(argv=None) -> int:
         trace = make_trace(name, args.rate, args.seed, args.scale, args.scale_tokens)
         if args.smoke:  # the tiny model's max_seq_len
             for r in trace:
+                r["output"] = max(r["output"], 4)  # a few decode steps per request
                 r["prompt"] = int(min(r["prompt"], args.max_seq_len - r["output"] - 1))
         results[name] = {}
         for system in systems:

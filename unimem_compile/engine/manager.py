@@ -455,6 +455,9 @@ class ContinuousBatchingManager:
         unused = config.update(**overrides)  # after the defaults: the request's settings win
         if unused:
             raise ValueError(f"add_request does not take {sorted(unused)}")
+        if config.num_return_sequences not in (None, 1):
+            raise ValueError(f"num_return_sequences={config.num_return_sequences}: the unimem engine returns one "
+                             "sequence per request (add the prompt that many times)")
         if config.max_new_tokens is None and default_max_length:
             limit = config.max_length + len(prompt)
             max_pos = getattr(model.config, "max_position_embeddings", None)
