@@ -15,19 +15,25 @@ there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one
 one call launches.
 
 ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``) times the same grid on scaled fp8 rows (656 bytes per token:
-ops/fp8.py), the bytes counted with the fp8 row; until the split kernels read fp8 rows the op runs its
-plain-torch path there (``kernels_per_call`` shows it), so run it with ``--quick`` before that lands.
+ops/fp8.py; the op's fp8 split kernel), the bytes counted with the fp8 row, and at every point the bf16 op
+(the device's default bf16 kernel) on a bf16 arena of the same geometry, timed the same way in the same
+run: ``bf16_ms`` and ``speedup_vs_bf16`` (bf16 time / fp8 time = the tokens/s ratio). ``fp8_targets``
+checks issue 22's: at batch >= 64 and context >= 16k at least 1.6x (floor 1.25x), elsewhere at least 1x.
+With ``--quick`` the fp8 grid is :data:`FP8_QUICK_POINTS` (the issue's points and two short ones);
+``--fp8-sweep-only`` times instead, at batch 64, context 16k, the fp8 kernel under each of :data:`FP8_SWEEP`'s
+tile settings (``sweep_b64_c16384``; the defaults were chosen without a GPU measurement).
 
-``--l2-ceiling`` measures the bf16 kernel's compute ceiling instead: contexts whose latent rows (16384
-tokens, 18.9 MB) stay in the H200's 50 MB L2, timed back to back without flushing (``graph_ms_hot``), and
-the achieved TFLOP/s, counting ``2 * H * (R + Dr) + 2 * H * R`` FLOPs per (row, token): what a faster fp8
-kernel must reach while dequantising (issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s).
+``--l2-ceiling`` measures the kernel's compute ceiling instead: contexts whose latent rows (16384 tokens,
+18.9 MB in bf16, 10.7 MB in fp8) stay in the H200's 50 MB L2, timed back to back without flushing
+(``graph_ms_hot``), and the achieved TFLOP/s, counting ``2 * H * (R + Dr) + 2 * H * R`` FLOPs per (row,
+token): the bf16 kernel's by default, the fp8 kernel's (dequantising included) with ``--kv-dtype``
+(issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s while dequantising).
 
-``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2].json`` in it, the
-names of record (docs/design.md section 8).
+``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2|_l2_fp8].json`` in
+it, the names of record (docs/design.md section 8).
 
 usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
-           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling]
+           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only]
 """
 
 from __future__ import annotations
@@ -260,22 +266,63 @@ def hot_ms(fn, calls: int = 20, replays: int = 10) -> float:
 L2_POINTS = [(16, 1024), (32, 512), (64, 256), (128, 128)]
 
 
-def l2_ceiling(kernel: str) -> dict:
-    """The bf16 kernel on L2-resident rows: ms per call and achieved TFLOP/s per point."""
-    setup = Setup(max(b * c for b, c in L2_POINTS))
+def l2_ceiling(kernel: str, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The kernel on L2-resident rows of ``kv_dtype``: ms per call and achieved TFLOP/s per point."""
+    setup = Setup(max(b * c for b, c in L2_POINTS), kv_dtype=kv_dtype)
+    row_bytes = setup.fmt.row_bytes
     sm_scale = (DN + DR) ** -0.5
-    out = {"kernel": kernel, "flops_per_token": flops_per_token(), "timing": "graph of 20 back-to-back calls, "
-           "median of 10 replays, L2 not flushed", "points": []}
-    print(f"L2-resident bf16 decode ({kernel}): {'batch':>5} {'context':>7} {'us':>8} {'TFLOP/s':>8} {'TB/s':>6}")
+    out = {"kernel": kernel, "kv_dtype": str(kv_dtype).replace("torch.", ""), "flops_per_token": flops_per_token(),
+           "timing": "graph of 20 back-to-back calls, median of 10 replays, L2 not flushed", "points": []}
+    name = "fp8" if setup.fmt.quantized else "bf16"
+    print(f"L2-resident {name} decode ({kernel}): {'batch':>5} {'context':>7} {'us':>8} {'TFLOP/s':>8} {'TB/s':>6}")
     for batch, context in L2_POINTS:
         a = setup.args(*setup.inputs(batch, context), sm_scale)
         ms = hot_ms(lambda: torch.ops.unimem.mla_decode(*a))
         tflops = batch * context * flops_per_token() / ms / 1e9
-        tbs = effective_bytes(batch, context) / ms / 1e9
+        tbs = effective_bytes(batch, context, row_bytes) / ms / 1e9
         out["points"].append({"batch": batch, "context": context, "graph_ms_hot": ms, "tflops": tflops,
-                              "tbs_from_l2": tbs, "kv_bytes": batch * context * D * 2})
+                              "tbs_from_l2": tbs, "kv_bytes": batch * context * row_bytes})
         print(f"{'':>36} {batch:>5} {context:>7} {ms * 1e3:>8.1f} {tflops:>8.1f} {tbs:>6.2f}")
     out["max_tflops"] = max(p["tflops"] for p in out["points"])
+    return out
+
+
+#: the fp8 grid of ``--quick``: issue 22's points (batch >= 64, context >= 16k) and two short ones
+FP8_QUICK_POINTS = [(32, 4096), (64, 4096), (64, 16384), (128, 16384), (64, 32768)]
+#: the fp8 kernel's launch settings ``--fp8-sweep`` times: (block_n, block_h, num_warps, num_stages)
+FP8_SWEEP = [(bn, bh, w, None) for bn in (32, 64) for bh in (16, 32) for w in (4, 8)]
+#: issue 22's fp8 decode speed targets against bf16, at batch >= 64 and context >= 16k
+FP8_TARGET, FP8_FLOOR = 1.6, 1.25
+
+
+def sweep_fp8(setup: Setup, sm_scale: float, batch: int = 64, context: int = 16384) -> list[dict]:
+    """The fp8 kernel at one point under each :data:`FP8_SWEEP` setting (CUDA-graph replay, L2 flushed)."""
+    a = setup.args(*setup.inputs(batch, context), sm_scale)
+    out = []
+    for block_n, block_h, warps, stages in FP8_SWEEP:
+        knobs = dict(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages, kernel="portable")
+        try:
+            ms = bench_graph(lambda: md.mla_decode_triton(*a, **knobs))
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile (shared memory) is a result
+            out.append({**knobs, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        out.append({**knobs, "ms": ms, "tbs": effective_bytes(batch, context, setup.fmt.row_bytes) / ms / 1e9})
+        print(f"fp8 sweep b{batch} c{context}: {knobs} {ms * 1e3:.1f} us")
+    return out
+
+
+def fp8_targets(points: list[dict]) -> dict:
+    """Issue 22's check of an fp8 run's ``speedup_vs_bf16``: the smallest at batch >= 64, context >= 16384
+    against :data:`FP8_TARGET` and :data:`FP8_FLOOR`, and the smallest elsewhere against 1 (at least the
+    bf16 kernel's speed at every other shape). None where the grid has no such point."""
+    big = [p["speedup_vs_bf16"] for p in points if p["batch"] >= 64 and p["context"] >= 16384]
+    rest = [p["speedup_vs_bf16"] for p in points if not (p["batch"] >= 64 and p["context"] >= 16384)]
+    out = {"target": FP8_TARGET, "floor": FP8_FLOOR, "issue_points": len(big),
+           "issue_points_min_speedup": min(big) if big else None,
+           "other_points_min_speedup": min(rest) if rest else None}
+    out["meets_target"] = bool(big) and min(big) >= FP8_TARGET
+    out["meets_floor"] = bool(big) and min(big) >= FP8_FLOOR
+    out["others_at_least_bf16"] = all(r >= 1.0 for r in rest)
     return out
 
 
@@ -283,7 +330,8 @@ def out_path(out: str, kv_dtype: torch.dtype, l2: bool) -> str:
     """``out`` itself, or for a folder the file name of record ``mla_decode_<date>[suffix].json``."""
     if not os.path.isdir(out):
         return out
-    suffix = "_l2" if l2 else {torch.float8_e4m3fn: "_fp8", torch.float8_e4m3fnuz: "_fp8_fnuz"}.get(kv_dtype, "")
+    fp8_suffix = {torch.float8_e4m3fn: "_fp8", torch.float8_e4m3fnuz: "_fp8_fnuz"}.get(kv_dtype, "")
+    suffix = ("_l2" + fp8_suffix) if l2 else fp8_suffix
     return os.path.join(out, f"mla_decode_{datetime.date.today().isoformat()}{suffix}.json")
 
 
@@ -296,28 +344,45 @@ def main() -> None:
     ap.add_argument("--kernel", choices=md.KERNELS, default="auto", help="stage-1 form (default: the op's)")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp8_e4m3fnuz"],
                     help="the rows' dtype (default bf16)")
+    ap.add_argument("--fp8-sweep-only", action="store_true",
+                    help="with an fp8 --kv-dtype: only time the fp8 kernel's tile settings at batch 64, context 16k")
     ap.add_argument("--l2-ceiling", action="store_true",
-                    help="only the compute-ceiling probe: the bf16 kernel on L2-resident rows, in TFLOP/s")
+                    help="only the compute-ceiling probe: the kernel on L2-resident rows (bf16, or --kv-dtype's), "
+                         "in TFLOP/s")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kv_dtype = kv_dtype_of(args.kv_dtype)
     if args.l2_ceiling:
-        if kv_dtype != torch.bfloat16:
-            raise SystemExit("bench_mla_decode: --l2-ceiling times the bf16 kernel; drop --kv-dtype")
         result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "triton": triton.__version__,
-                  "l2_ceiling": l2_ceiling(kernel_name(args.kernel))}
+                  "l2_ceiling": l2_ceiling(kernel_name(args.kernel, kv_dtype), kv_dtype)}
         if args.out:
             with open(out_path(args.out, kv_dtype, True), "w") as f:
                 json.dump(result, f, indent=1)
         return
     kernel = kernel_name(args.kernel, kv_dtype)
+    fp8_run = kv_dtype != torch.bfloat16
+    if args.fp8_sweep_only:
+        if not fp8_run:
+            raise SystemExit("bench_mla_decode: --fp8-sweep-only needs an fp8 --kv-dtype")
+        sweep = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "triton": triton.__version__,
+                 "kv_dtype": str(kv_dtype).replace("torch.", ""),
+                 "sweep_b64_c16384": sweep_fp8(Setup(64 * 16384, kv_dtype=kv_dtype), (DN + DR) ** -0.5)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(sweep, f, indent=1)
+        return
     batches = [1, 8, 32, 64, 128, 256] if not args.quick else [32, 64]
     contexts = [1024, 4096, 16384, 32768, 65536, 131072] if not args.quick else [4096]
     points = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
+    if fp8_run and args.quick:
+        points = [p for p in FP8_QUICK_POINTS if p[0] * p[1] <= args.max_tokens]
 
     ceiling = read_ceiling_tbs()
     setup = Setup(max(b * c for b, c in points), kv_dtype=kv_dtype)
+    # fp8 runs time the bf16 op beside it at every point (the issue's ratio is of one run)
+    base = Setup(max(b * c for b, c in points), seed=1) if fp8_run else None
     row_bytes = setup.fmt.row_bytes
     sm_scale = (DN + DR) ** -0.5
     result = {
@@ -336,6 +401,8 @@ def main() -> None:
         "read_ceiling_tbs": ceiling,
         "points": [],
     }
+    if fp8_run:
+        result["bf16_kernel"] = kernel_name(args.kernel, torch.bfloat16)
     print(f"HBM read ceiling: {ceiling:.2f} TB/s; stage-1 kernel: {result['kernel']}")
     same_size = SameSizeRead(max(effective_bytes(b, c, row_bytes) for b, c in points))
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'us':>8} {'TB/s':>6} {'of read':>7} {'eager us':>8} "
@@ -349,12 +416,25 @@ def main() -> None:
         splits = md.mla_decode_num_splits(batch, page_table.shape[1], H, setup.ps, q_nope.device,
                                           blocks_per_sm=result["defaults"]["blocks_per_sm"])
         read_tbs = same_size.tbs(effective_bytes(batch, context, row_bytes))
-        result["points"].append({"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
-                                 "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms,
-                                 "same_size_read_tbs": read_tbs, "fraction_of_same_size_read": tbs / read_tbs,
-                                 "tflops": batch * context * flops_per_token() / ms / 1e9})
-        print(f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "
-              f"{eager_ms * 1e3:>8.1f} {read_tbs:>19.2f}")
+        point = {"batch": batch, "context": context, "num_splits": splits, "ms": ms, "tbs": tbs,
+                 "fraction_of_read": tbs / ceiling, "eager_ms": eager_ms,
+                 "same_size_read_tbs": read_tbs, "fraction_of_same_size_read": tbs / read_tbs,
+                 "tflops": batch * context * flops_per_token() / ms / 1e9}
+        line = (f"{batch:>5} {context:>7} {splits:>6} {ms * 1e3:>8.1f} {tbs:>6.2f} {tbs / ceiling:>7.2f} "
+                f"{eager_ms * 1e3:>8.1f} {read_tbs:>19.2f}")
+        if base is not None:
+            b_args = base.args(*base.inputs(batch, context), sm_scale)
+            point["bf16_ms"] = bench_graph(lambda: torch.ops.unimem.mla_decode(*b_args))
+            point["bf16_tbs"] = effective_bytes(batch, context) / point["bf16_ms"] / 1e9
+            point["speedup_vs_bf16"] = point["bf16_ms"] / ms
+            line += f"   bf16 {point['bf16_ms'] * 1e3:.1f} us, fp8 {point['speedup_vs_bf16']:.2f}x"
+        result["points"].append(point)
+        print(line)
+    if base is not None:
+        result["fp8_targets"] = fp8_targets(result["points"])
+        print("fp8 targets:", json.dumps(result["fp8_targets"]))
+        del base
+
     del same_size
     result["host_us_per_call"] = {
         "op": cpu_us_per_call(lambda: torch.ops.unimem.mla_decode(*a)),

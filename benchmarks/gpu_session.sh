@@ -14,8 +14,9 @@
 #          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit)
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
-#          fp8 (issue 22): fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2 demo_real_fp8
-#          bench_generate_fp8
+#          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
+#          bench_mla_decode_l2_fp8 bench_mla_decode_fp8_sweep demo_real_fp8 bench_generate_fp8 (FP8_DECODE_GRID:
+#          bench_mla_decode_fp8's grid arguments, default --quick; FP8_DECODE_GRID=" " times the full grid)
 #          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
 #          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
 #          their wheels in .whl/ (pip download --no-deps -d .whl starlette uvicorn sse-starlette prometheus-client
@@ -53,8 +54,8 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case "$s" in
-    # fp8_tests runs tests/gpu/test_fp8_gpu.py in its own slot
-    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py}
+    # fp8_tests and fp8_decode_tests run the fp8 GPU tests in slots of their own
+    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py --ignore=tests/gpu/test_mla_decode_fp8_gpu.py}
                run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
@@ -83,11 +84,16 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
+    fp8_decode_tests) run_step fp8_decode_tests 150 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu/test_mla_decode_fp8_gpu.py ;;
     fp8_tests) run_step fp8_tests 300 python3 -P -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_fp8_gpu.py ;;
     bench_mla_write_fp8) run_step bench_mla_write_fp8 90 python3 -P benchmarks/bench_mla_write.py --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;
-    # --quick until the split kernels read fp8 rows (the op runs its plain-torch path on fp8 geometries)
-    bench_mla_decode_fp8) run_step bench_mla_decode_fp8 150 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 ${FP8_DECODE_GRID:---quick} --out "$OUT/json/" ;;
+    # fp8 and bf16 side by side per point; --quick: the issue's points (batch >= 64, context >= 16k) and two short ones
+    bench_mla_decode_fp8) run_step bench_mla_decode_fp8 200 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 ${FP8_DECODE_GRID:---quick} --out "$OUT/json/" ;;
+    # the fp8 kernel's tile settings at batch 64, context 16k (each compiles once); writes mla_decode_sweep_fp8.json
+    bench_mla_decode_fp8_sweep) run_step bench_mla_decode_fp8_sweep 300 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 \
+                      --fp8-sweep-only --out "$OUT/json/mla_decode_sweep_fp8.json" ;;
     bench_mla_decode_l2) run_step bench_mla_decode_l2 60 python3 -P benchmarks/bench_mla_decode.py --l2-ceiling --out "$OUT/json/" ;;
+    bench_mla_decode_l2_fp8) run_step bench_mla_decode_l2_fp8 60 python3 -P benchmarks/bench_mla_decode.py --l2-ceiling --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;
     demo_real_fp8) run_step demo_real_fp8 200 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --kv-dtype fp8_e4m3 --json ;;
     bench_generate_fp8) run_step bench_generate_fp8 "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 \
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate_fp8.json" ;;

@@ -464,7 +464,12 @@ def fp8_hw_conversion(device: torch.device, kv_dtype: torch.dtype) -> bool:
         return False
     if device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _check(op: str, q_nope, q_rope, arena, v2p, page_table, kv_len, g: MLAGeometry) -> None:

@@ -2,6 +2,7 @@
 four systems, resume and deadline; its profile parser on a synthetic trace) and the capacity benchmark's
 quick mode (JSON, plots, targets)."""
 
+import datetime
 import importlib.util
 import json
 import os
@@ -104,6 +105,23 @@ def test_generate_does_not_resume_a_record_measured_under_other_conditions(tmp_p
     recorded["systems"]["eager"]["decode_tokens_per_s"] = None
     (out / f"{name}.json").write_text(json.dumps(recorded))
     assert "n/a" in bench.format_table(str(out), [c for c in bench.SMOKE_CONFIGS if c.name == name])
+
+
+def test_mla_decode_fp8_targets_and_file_names_of_record(tmp_path):
+    bench = _script("bench_mla_decode")
+
+    def pt(batch, context, speedup):
+        return {"batch": batch, "context": context, "speedup_vs_bf16": speedup}
+
+    got = bench.fp8_targets([pt(32, 4096, 1.1), pt(64, 16384, 1.7), pt(128, 16384, 1.4), pt(64, 4096, 0.9)])
+    assert got == {"target": 1.6, "floor": 1.25, "issue_points": 2, "issue_points_min_speedup": 1.4,
+                   "other_points_min_speedup": 0.9, "meets_target": False, "meets_floor": True,
+                   "others_at_least_bf16": False}
+    assert bench.fp8_targets([pt(32, 4096, 1.2)])["meets_floor"] is False  # no issue point: nothing met
+    day = datetime.date.today().isoformat()
+    assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, False).endswith(f"mla_decode_{day}_fp8.json")
+    assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, True).endswith(f"mla_decode_{day}_l2_fp8.json")
+    assert bench.out_path(str(tmp_path), bench.torch.bfloat16, True).endswith(f"mla_decode_{day}_l2.json")
 
 
 def test_graph_kernel_time_counts_the_kernels_of_graph_replays_only():

@@ -1,0 +1,112 @@
+"""mla_decode's fp8 split kernel compiled on the GPU at the real Kimi-Linear geometry (7 layers, 512 + 64, 32
+and 16 heads, page sizes 64 and 16, ragged rows up to 3000 tokens), both e4m3 formats (e4m3fn through the
+hardware's fp8 conversion, e4m3fnuz through the integer decoder), bf16 queries:
+
+* against float64 attention over the rows' exact values ``fp32(code) * scale`` with the same bf16 queries:
+  the kernel rounds each probability-times-scale to bf16 before the value product (relative ``u = 2^-8``
+  per weight, so at most ``u x max |v|`` on an output) and its output to bf16 (``u x |out|``): held to
+  ``1.1 u (max |v| + |want|)`` plus ``1e-5 max |v|`` for fp32 sums;
+* against ``mla_decode_reference`` (bf16-rounded values, fp32 softmax) loosely (the two bounds added);
+* captured in a CUDA graph (as the decode runner replays it): a replay after new queries and lengths
+  equals the eager call bit for bit.
+
+Run: ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_mla_decode_fp8_gpu.py``."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("run with TRITON_INTERPRET=0: these tests check the compiled kernels", allow_module_level=True)
+
+from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool  # noqa: E402
+
+md = importlib.import_module("unimem_compile.ops.mla_decode")
+
+pytestmark = pytest.mark.gpu
+
+L, LAYER, R, DR, SCALE = 7, 2, 512, 64, 0.06
+U = 2.0 ** -8
+FORMATS = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+
+
+class Rows:
+    def __init__(self, fmt, ps, lens, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        per_row = [-(-n // ps) for n in lens]
+        spec = MLASpec(L, R, DR, fmt)
+        self.fmt = spec.row_format
+        self.pool = UnifiedPool(ArenaLayout.for_capacity(spec, None, ps, sum(per_row) + 2, 0), "cuda", poison=True)
+        pages = self.pool.alloc_pages(sum(per_row))
+        pages = torch.tensor(pages)[torch.randperm(len(pages))].tolist()
+        self.page_table = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
+        self.exact, start = [], 0
+        for b, n in enumerate(lens):
+            mine = pages[start: start + per_row[b]]
+            start += per_row[b]
+            self.page_table[b, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+            i = torch.arange(n)
+            loc = (torch.tensor(mine, dtype=torch.int64)[i // ps] * ps + i % ps).cuda()
+            mag = torch.exp2(torch.randint(-4, 4, (n, 1), device="cuda", generator=g).float())
+            rows = torch.randn(n, R + DR, device="cuda", generator=g)
+            for layer in range(L if n else 0):  # an empty row writes nothing
+                torch.ops.unimem.mla_kv_write(self.pool.arena, self.pool.v2p, loc, (rows[:, :R] * mag).bfloat16(),
+                                              rows[:, R:].bfloat16(), layer, L, ps, R, DR, fmt)
+            stored = self.pool.read_kv(LAYER, loc)
+            codes = stored[:, :R].contiguous().view(fmt).double()
+            scale = stored[:, self.fmt.scale_offset: self.fmt.rope_offset].contiguous().view(torch.float32).double()
+            rope = stored[:, self.fmt.rope_offset: self.fmt.rope_offset + 2 * DR].contiguous().view(torch.bfloat16)
+            self.exact.append(torch.cat([codes * scale.repeat_interleave(128, 1), rope.double()], 1))
+        self.page_table = self.page_table.cuda()
+        self.kv_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        self.geometry = (LAYER, L, ps, R, DR, fmt)
+
+    def args(self, q_nope, q_rope, kv_len=None):
+        return (q_nope, q_rope, self.pool.arena, self.pool.v2p, self.page_table,
+                self.kv_len if kv_len is None else kv_len, SCALE, *self.geometry)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ps, heads, lens", [(64, 32, [3000, 1, 0, 777, 64, 2049]), (16, 16, [1000, 37, 513])])
+def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, heads, lens):
+    rows = Rows(fmt, ps, lens, seed=ps + heads)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q_nope = torch.randn(len(lens), heads, R, device="cuda", generator=g).bfloat16()
+    q_rope = torch.randn(len(lens), heads, DR, device="cuda", generator=g).bfloat16()
+    got = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope)).double().cpu()
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in rows.args(q_nope, q_rope)]
+    ref = md.mla_decode_reference(*cpu).double()
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        if exact.shape[0] == 0:
+            assert not bool(got[b].any())
+            continue
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
+        vmax = float(exact[:, :R].abs().max())
+        bound = 1.1 * U * (vmax + want.abs()) + 1e-5 * vmax
+        assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
+        d = SCALE * U * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
+        ref_bound = bound + vmax * (U + torch.expm1(2 * d))[:, None] + 2 ** -8 * ref[b].abs()  # ref's bf16 output
+        assert bool(((got[b] - ref[b]).abs() <= ref_bound).all()), b
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_kernel_replays_in_a_cuda_graph(fmt):
+    rows = Rows(fmt, 64, [1500, 700, 64, 3], seed=11)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q_nope = torch.randn(4, 32, R, device="cuda", generator=g).bfloat16()
+    q_rope = torch.randn(4, 32, DR, device="cuda", generator=g).bfloat16()
+    kv_len = rows.kv_len.clone()
+    out = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len))  # compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len))
+    q_nope.copy_(torch.randn(4, 32, R, device="cuda", generator=g).bfloat16())
+    kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(out, torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len)))
