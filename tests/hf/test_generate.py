@@ -5,6 +5,8 @@ shorter than the conv kernel and longer than a page and a KDA chunk; decode must
 and slots must all be back in the pool after each call.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -294,6 +296,61 @@ def test_compile_options_are_checked_before_anything_is_built():
         assert other.unimem.adapter.kv_spec.dtype == dtype  # the demo CLI's names
 
 
+def test_an_unknown_kv_dtype_name_lists_the_accepted_names():
+    from unimem_compile.options import _SHORT_DTYPE_NAMES
+
+    with pytest.raises(TypeError) as info:
+        unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16, kv_dtype="fp8")
+    message = str(info.value)
+    assert message.startswith("kv_dtype 'fp8' does not name a torch dtype (fp8 ")
+    assert f"or one of {', '.join(repr(n) for n in _SHORT_DTYPE_NAMES)}" in message
+    if "fp8_e4m3" in _SHORT_DTYPE_NAMES:
+        assert "(fp8 is spelled 'fp8_e4m3')" in message
+
+
+def test_float_input_ids_get_a_plain_dtype_error_and_allocate_nothing(small):
+    ids, mask = prompts([5, 5], seed=1)
+    with pytest.raises(TypeError, match=r"input_ids must hold integer token ids \(torch.long or torch.int\), got "
+                                        r"torch.float32"):
+        small.generate(ids.float(), attention_mask=mask, max_new_tokens=2)
+    assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_no_input_ids_generates_from_bos_like_stock(small):
+    stock = build_model("kimi-linear-tiny")  # the same seeded weights as `small`
+    with torch.no_grad():
+        want = stock.generate(max_new_tokens=4, do_sample=False)
+        got = small.generate(max_new_tokens=4, do_sample=False)
+    assert want.shape == (1, 5) and int(want[0, 0]) == small.generation_config.bos_token_id
+    assert torch.equal(got, want)
+    with pytest.raises(UnsupportedModel, match="inputs_embeds are not supported"):
+        small.generate(inputs_embeds=torch.randn(1, 3, small.config.hidden_size), max_new_tokens=2)
+
+
+def test_an_empty_prompt_is_refused_and_cache_advice_comes_only_with_a_cache(small):
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(GeometryError) as info:
+        small.generate(empty, max_new_tokens=2)
+    assert str(info.value).startswith("input_ids has no tokens (shape [1, 0])") and "cache" not in str(info.value)
+    cache = small.unimem.new_cache(1)
+    ids, mask = prompts([6], seed=2)
+    small.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(GeometryError, match="input_ids has no tokens and the cache passed holds 7: pass the whole "
+                                            "sequence so far"):
+        small.generate(empty, past_key_values=cache, max_new_tokens=2)
+    assert cache.logical_len == 7  # refused before any step: the cache is intact (the last token is not fed yet)
+    cache.release()
+
+
+def test_a_cache_implementation_is_refused_by_name(small):
+    ids, mask = prompts([5], seed=1)
+    with pytest.raises(UnsupportedModel) as info:
+        small.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static")
+    assert str(info.value).startswith("cache_implementation='static' is not supported")
+    assert "both" not in str(info.value)
+    assert small.unimem.stats()["kv_pages_used"] == 0
+
+
 def test_input_on_another_device_is_refused(small):
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
     with pytest.raises(UnsupportedModel, match="input_ids are on meta but the model and its pool are on cpu"):
@@ -313,6 +370,24 @@ def test_budget_too_small_for_one_request_states_the_minimum():
     unimem_compile.compile(model, max_batch_size=2, max_seq_len=64, page_size=16, memory_budget=minimum,
                            backend="aot_eager")
     assert model.unimem.pool.layout.memory_budget == minimum
+
+
+def test_a_budget_short_of_max_batch_size_full_rows_warns_with_the_rows_it_holds():
+    from unimem_compile.pool import ArenaLayout
+
+    model = build_model("kimi-linear-tiny")
+    adapter = unimem_compile.hf.adapters.adapter_for(model)
+    budget = ArenaLayout.for_capacity(adapter.kv_spec, adapter.state_spec, 16, 2 * 4, 2).memory_budget  # 2 rows
+    with pytest.warns(UserWarning, match=f"memory_budget of {budget} bytes holds 2 full rows of max_seq_len=64 "
+                                         "tokens and their states, fewer than max_batch_size=4"):
+        unimem_compile.compile(model, max_batch_size=4, max_seq_len=64, page_size=16, memory_budget=budget,
+                               backend="aot_eager")
+    assert model.unimem.full_rows == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget of max_batch_size full rows says nothing
+        other = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=2, max_seq_len=64,
+                                       page_size=16, memory_budget=budget, backend="aot_eager")
+    assert other.unimem.full_rows == 2
 
 
 # phase -> (rows' prompt lengths, (pages, slots) the budget is sized for, new tokens, the allocations the
@@ -352,7 +427,8 @@ def test_pool_exhaustion_surfaces_as_pool_exhausted_with_the_numbers_and_leaks_n
     unit = layout.page_bytes if side == "kv" else layout.slot_bytes
     assert (got.side, got.requested, got.available, got.reclaimable) == (side, n * unit, want.available,
                                                                          want.reclaimable)
-    assert got.requested > got.available and str(got) == str(want)
+    assert got.requested > got.available and str(got).startswith(f"{want}; the arena of {layout.memory_budget} bytes")
+    assert "give unimem_compile.compile() a larger memory_budget" in str(got)
     assert f"({n * unit} bytes)" in str(got) and f"({want.available} bytes)" in str(got)
     stats = model.unimem.stats()
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
