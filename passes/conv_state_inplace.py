@@ -29,22 +29,21 @@ from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 
+from . import state_common
 from .common import (
     Refused,
     Rewrite,
     argument,
     check_closed,
     erase_matched,
-    first_conflict,
     insert_call,
     is_op,
     only_user,
     op_arguments,
     op_name,
-    state_access,
     tensor_value,
-    unsqueezed,
 )
+from .state_common import first_conflict, state_access, unsqueezed
 
 __all__ = ["ConvStateInplace"]
 
@@ -64,6 +63,7 @@ class ConvStateInplace(Rewrite):
     """The ``conv_state_inplace`` rewrite (docs/passes.md); sites are ``[B, C, K]`` state gathers."""
 
     name = "conv_state_inplace"
+    extra_sources = (state_common.__file__,)  # the state-op helpers it matches with
 
     def sites(self, graph: Graph) -> list[Node]:
         return [n for n in graph.nodes if is_op(n, torch.ops.unimem.state_gather)

@@ -36,25 +36,20 @@ from torch.fx import Graph, Node
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 from unimem_compile.ops.common import COMPUTE_DTYPES
 
+from . import state_common
 from .common import (
     Refused,
     Rewrite,
     argument,
     check_closed,
     erase_matched,
-    first_conflict,
     insert_call,
     is_op,
-    is_noop_cast,
     op_arguments,
     op_name,
-    state_access,
-    strip_noops,
-    strip_upcast,
     tensor_value,
-    token0,
-    unsqueezed,
 )
+from .state_common import first_conflict, is_noop_cast, state_access, strip_noops, strip_upcast, token0, unsqueezed
 
 __all__ = ["KDAStateInplace"]
 
@@ -144,6 +139,7 @@ class KDAStateInplace(Rewrite):
     """The ``kda_state_inplace`` rewrite (docs/passes.md); sites are ``[B, H, K, V]`` fp32 state gathers."""
 
     name = "kda_state_inplace"
+    extra_sources = (state_common.__file__,)  # the state-op helpers it matches with
 
     def sites(self, graph: Graph) -> list[Node]:
         return [n for n in graph.nodes if is_op(n, torch.ops.unimem.state_gather) and tensor_value(n) is not None

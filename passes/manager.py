@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
@@ -41,6 +42,8 @@ from . import common
 __all__ = ["REWRITE_NAMES", "enabled_names", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir"]
 
 log = logging.getLogger("unimem_compile.passes")
+#: one INFO line per graph compiled (``logging.basicConfig(level=logging.INFO)`` shows them)
+compile_log = logging.getLogger("unimem_compile.compile")
 
 #: FROZEN rewrite names, in the order they run (``mla_prefill`` came later and runs last: it and
 #: ``mla_absorb`` match disjoint graphs, so their order changes nothing, and the first four keep theirs).
@@ -205,23 +208,63 @@ class PassManager(CustomGraphPass):
         """
 
         def unimem_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+            start = time.perf_counter()
+            family = graph_family(gm)  # before the rewrites: they may replace the nodes it reads
             self.apply(gm)
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
                 graphed = bool(cudagraphs) and is_decode_graph(gm)
-                return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
-            if inner == "eager":
-                return gm.forward
-            from torch._dynamo.backends.registry import lookup_backend
+                compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
+            elif inner == "eager":
+                compiled = gm.forward
+            else:
+                from torch._dynamo.backends.registry import lookup_backend
 
-            return lookup_backend(inner)(gm, example_inputs)
+                compiled = lookup_backend(inner)(gm, example_inputs)
+            _log_compiled(family, inner, time.perf_counter() - start)
+            return compiled
 
         unimem_backend.manager = self  # type: ignore[attr-defined]
         return unimem_backend
 
     def __repr__(self) -> str:
         return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"
+
+
+def graph_family(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
+    """The shape family of a causal LM forward graph, from its ``input_ids`` placeholder: "decode step,
+    batch 4", "prefill, batch 2, query length s0" (a symbolic size prints as its symbol); "graph" when there
+    is no such placeholder."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    for node in graph.find_nodes(op="placeholder"):
+        if "input_ids" not in node.name:
+            continue
+        shape = getattr(node.meta.get("example_value", node.meta.get("val")), "shape", None)
+        if shape is None or len(shape) != 2:
+            break
+        batch, tokens = shape
+        if isinstance(tokens, int) and tokens == 1:
+            return f"decode step, batch {batch}"
+        return f"prefill, batch {batch}, query length {tokens}"
+    return "graph"
+
+
+# what the compile log has said once in this process (the cache hint is the same for every graph)
+_said_once: set[str] = set()
+
+
+def _log_compiled(family: str, inner: str, seconds: float) -> None:
+    """One INFO line per graph compiled (a first compile is otherwise minutes of silence on a CPU), and once
+    per process where Inductor keeps what it compiled."""
+    compile_log.info("compiled the %s graph with %s in %.1f s", family, inner, seconds)
+    if inner == "inductor" and "cache hint" not in _said_once:
+        _said_once.add("cache hint")
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        compile_log.info("Inductor keeps compiled graphs in %s (TORCHINDUCTOR_CACHE_DIR): a later process "
+                         "compiling the same model with the same options loads them from there instead of "
+                         "compiling again (the CPU demo's first generate(): 103 s cold, 12 s warm)", cache_dir())
 
 
 def is_decode_graph(gm: torch.fx.GraphModule | torch.fx.Graph) -> bool:

@@ -1,4 +1,4 @@
-"""The ``unimem-compile`` command: ``demo``, ``pool-info``, ``inspect`` and ``serve``."""
+"""The ``unimem-compile`` command: ``demo``, ``pool-info``, ``inspect`` and ``serve`` (``python -m unimem_compile`` too)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,34 @@ __all__ = ["main"]
 
 GIB = 1 << 30
 
+#: what ``unimem-compile --help`` says (the module docstring is reST for the API docs)
+DESCRIPTION = ("One memory arena for hybrid MLA + linear-attention Hugging Face models under torch.compile. "
+               "demo: stock transformers generate() against the compiled model; pool-info: size an arena "
+               "without allocating it; inspect: a graph before and after the rewrites; serve: an OpenAI-compatible "
+               "server over the continuous-batching engine.")
+
+
+def _config_geometry(path: str):
+    """``(kv, state, name)`` of the model a transformers ``config.json`` (a file, or a folder holding one)
+    describes, read offline through ``AutoConfig``; the rows in the config's dtype (bf16 when it names none).
+
+    Raises:
+        OSError: no config there; ValueError: not a transformers config; UnsupportedModel: a model family
+            unimem_compile does not support, or a config that lacks what the pool needs."""
+    import torch
+    from transformers import AutoConfig
+
+    from .hf.adapters import adapter_for_config
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    dtype = getattr(config, "dtype", None) or torch.bfloat16
+    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    adapter = adapter_for_config(config, dtype)
+    return adapter.kv_spec, adapter.state_spec, f"{config.model_type} from {path}"
+
 
 def _pool_info(args: argparse.Namespace) -> int:
-    from .errors import GeometryError
+    from .errors import GeometryError, UnsupportedModel
     from .pool import geometry, pool_info
 
     if not 0 < args.budget_gib < math.inf:
@@ -32,7 +57,15 @@ def _pool_info(args: argparse.Namespace) -> int:
     if budget < 1:
         print(f"unimem-compile pool-info: --budget-gib {args.budget_gib:g} is less than one byte", file=sys.stderr)
         return 2
-    kv, state = geometry(args.geometry)
+    if args.config is not None:
+        try:
+            kv, state, name = _config_geometry(args.config)
+        except (OSError, ValueError, UnsupportedModel) as e:  # no such file, not a config, an unsupported model
+            print(f"unimem-compile pool-info: --config {args.config}: {e}", file=sys.stderr)
+            return 2
+        args.geometry = name
+    else:
+        kv, state = geometry(args.geometry)
     if args.kv_dtype is not None and kv is not None:
         from .options import kv_dtype_of
 
@@ -78,12 +111,27 @@ def _pool_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_compile_log() -> None:
+    """Print the compile log's INFO lines (one per graph compiled) on stderr, unless the program configured
+    logging itself: the demo's first compiled generate() is otherwise a minute or two of silence on a CPU."""
+    import logging
+
+    log = logging.getLogger("unimem_compile.compile")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("unimem-compile: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from .demo import DemoArgumentError, format_report, run_demo
 
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    _show_compile_log()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("unimem-compile demo: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
@@ -130,18 +178,28 @@ def build_parser() -> argparse.ArgumentParser:
     from .options import SHORT_DTYPE_NAMES
     from .pool import GEOMETRIES
 
-    parser = argparse.ArgumentParser(prog="unimem-compile", description=__doc__)
+    import torch
+
+    parser = argparse.ArgumentParser(prog="unimem-compile", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     from .hf.models import MODEL_PRESETS
 
-    d = sub.add_parser("demo", help="stock transformers generate vs compiled unified-pool generate, side by side")
-    d.add_argument("--model", default="kimi-linear-tiny", choices=list(MODEL_PRESETS))
-    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    d = sub.add_parser("demo", help="stock transformers generate vs compiled unified-pool generate, side by side",
+                       description="Greedy generate() of four English prompts by stock transformers (eager, its "
+                                   "default cache: the baseline) and by the same model after "
+                                   "unimem_compile.compile(), with parity, decode tokens/s of both, compile time "
+                                   "and the pool's statistics.")
+    d.add_argument("--model", default="kimi-linear-tiny", choices=list(MODEL_PRESETS),
+                   help="a built-in model with random weights, no download (default kimi-linear-tiny; "
+                        "kimi-linear-48b-4l / -8l: 4 / 8 layers at the real Kimi-Linear-48B geometry)")
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (default cpu)")
     d.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: fp32 on the CPU, bf16 on CUDA")
     d.add_argument("--new-tokens", type=int, default=24, help="tokens generated per prompt, >= 2 (default 24)")
-    d.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
+    d.add_argument("--backend", default="inductor",
+                   help="inner torch.compile backend (default inductor; aot_eager compiles in seconds); one of: "
+                        + ", ".join(torch._dynamo.list_backends(exclude_tags=())))
     d.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
     d.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
@@ -155,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     p = sub.add_parser("pool-info", help="size an arena for a model geometry (no memory is allocated)")
-    p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES))
+    p.add_argument("--geometry", default="kimi-linear-48b", choices=sorted(GEOMETRIES),
+                   help="a built-in geometry: the real Kimi-Linear-48B-A3B (7 MLA + 20 KDA layers) or DeepSeek-V3 "
+                        "(61 MLA layers), bf16 rows (default kimi-linear-48b)")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="size the model a transformers config.json describes (the file or its folder, read "
+                        "offline) instead of --geometry")
     p.add_argument("--budget-gib", type=float, default=40.0, help="arena size in GiB (default 40)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     p.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
@@ -169,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import inspect_graphs
 
-    p = sub.add_parser("inspect", help="print one MLA layer's decode (or prefill) graph before and after the rewrites")
+    p = sub.add_parser("inspect", help="print one MLA layer's decode (or prefill) graph before and after the rewrites",
+                       description="Compile a built-in model with random weights and print its first MLA layer's "
+                                   "decode (or prefill) graph as Dynamo captured it and after the rewrites, with "
+                                   "each rewrite's count.")
     inspect_graphs.add_arguments(p)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the batching engine (docs/serve.md)")

@@ -92,6 +92,30 @@ def _layout(adapter: ModelAdapter, options: CompileOptions, device: torch.device
     return ArenaLayout(budget, page_size, kv, state)
 
 
+def full_rows(layout: ArenaLayout, adapter: ModelAdapter, max_seq_len: int, most: int) -> int:
+    """Rows of ``max_seq_len`` tokens, each with its state slot, that ``layout`` holds at once, counted up to
+    ``most`` (the pages of a row: ``ceil(max_seq_len / page_size)``)."""
+    row_pages = math.ceil(max_seq_len / layout.page_size) if adapter.kv_spec is not None else 0
+    row_slots = 1 if adapter.state_spec is not None else 0
+    rows = 0
+    while rows < most and layout.fits((rows + 1) * row_pages, (rows + 1) * row_slots):
+        rows += 1
+    return rows
+
+
+def _warn_if_short(layout: ArenaLayout, adapter: ModelAdapter, options: CompileOptions) -> int:
+    """:func:`full_rows` of ``layout``; warns (UserWarning) when it is fewer than ``max_batch_size``: a call
+    whose rows all grow to ``max_seq_len`` would then raise PoolExhausted part way."""
+    rows = full_rows(layout, adapter, options.max_seq_len, options.max_batch_size)
+    if rows < options.max_batch_size:
+        warnings.warn(f"memory_budget of {layout.memory_budget} bytes holds {rows} full rows of "
+                      f"max_seq_len={options.max_seq_len} tokens and their states, fewer than "
+                      f"max_batch_size={options.max_batch_size}: a generate() of more rows raises PoolExhausted "
+                      "once they outgrow it (memory_budget=None sizes the arena for max_batch_size full rows)",
+                      UserWarning, stacklevel=3)
+    return rows
+
+
 def _build_pool(adapter: ModelAdapter, options: CompileOptions, device: torch.device, tp=None) -> UnifiedPool:
     """The model's pool, its arena and tables marked as static addresses for Dynamo (they never move). Under
     tensor parallelism every rank agrees on one budget (the smallest, when a fraction of free memory
@@ -261,6 +285,7 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     handle = UnimemHandle(model, adapter, pool, options.max_batch_size, options.max_seq_len, manager,
                           deferred_stop_check=options.deferred_stop_check)
     handle.tensor_parallel = tp
+    handle.full_rows = _warn_if_short(pool.layout, adapter, options)
     tag = len(_COMPILED)
     cudagraphs = options.cudagraphs_for(device)
     compiled = torch.compile(_own_entry(model.forward, tag), backend=manager.backend(options.backend, cudagraphs),

@@ -199,7 +199,8 @@ def format_layer(graph: Graph, prefix: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``unimem-compile inspect``."""
-    parser.add_argument("--model", default="kimi-linear-tiny", choices=INSPECT_MODELS)
+    parser.add_argument("--model", default="kimi-linear-tiny", choices=INSPECT_MODELS,
+                        help="a built-in model with random weights (default kimi-linear-tiny)")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                         help="transformers' attention implementation (default sdpa)")
     parser.add_argument("--graph", default="decode", choices=("decode", "prefill"),

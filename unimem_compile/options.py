@@ -38,8 +38,13 @@ def kv_dtype_of(kv_dtype) -> torch.dtype | None:
     if isinstance(kv_dtype, str):
         name = SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
         if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype (e.g. 'bfloat16', 'float8_e4m3fn' "
-                            f"or a short name: {', '.join(repr(n) for n in SHORT_DTYPE_NAMES)})")
+            fp8 = ""
+            if kv_dtype.lower().startswith(("fp8", "float8")):
+                fp8 = (" (fp8 is spelled 'fp8_e4m3')" if "fp8_e4m3" in SHORT_DTYPE_NAMES
+                       else " (fp8 KV rows are not computed by this version's ops)")
+            raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype{fp8}; accepted: a torch dtype, its "
+                            f"name ('bfloat16', 'torch.float16', ...) or one of "
+                            f"{', '.join(repr(n) for n in SHORT_DTYPE_NAMES)}")
         return getattr(torch, name)
     if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
         raise TypeError(f"kv_dtype must be a torch.dtype, a dtype name or None, got {kv_dtype!r}")

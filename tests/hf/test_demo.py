@@ -56,3 +56,58 @@ def test_demo_with_fp8_kv_reports_logit_parity_against_fp32_kv(capsys):
 def test_demo_refuses_bad_arguments_before_running_anything(args, message, capsys):
     assert main(["demo", "--backend", "aot_eager", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def _report(model, device):
+    """A demo result of ``model`` on ``device`` as run_demo returns it, with made-up figures."""
+    return {"model": model, "device": device, "dtype": "float32", "torch": "2.13", "transformers": "5.24",
+            "parity": True, "parity_detail": {"criterion": "tokens", "tokens_identical": True,
+                                              "max_abs_logit_diff": None, "tolerance": 0.0},
+            "tokens_per_s": 40.0, "reference_tokens_per_s": 32.0, "compile_s": 12.0, "achieved_bandwidth_gbs": 0.5,
+            "pool": {"total_bytes": 481280, "kv_pages_peak": 21, "state_slots_peak": 4, "kv_pages_used": 0,
+                     "state_slots_used": 0, "overhead_fraction": 0.1149}, "rewrites": {"mla_absorb": 2}}
+
+
+def test_the_demo_report_says_what_it_compares_and_what_overhead_is():
+    from unimem_compile.demo import format_report
+
+    text = format_report(_report("kimi-linear-tiny", "cpu"))
+    assert "greedy decoding (do_sample=False)" in text and "stock transformers generate() (eager" in text
+    assert "the baseline" in text
+    assert "overhead 11.49% (the arena's bytes no page or slot can use: sink, tail pad, alignment)" in text
+
+
+@pytest.mark.parametrize("model, device, noted", [("kimi-linear-tiny", "cpu", True),
+                                                  ("kimi-linear-48b-4l", "cpu", False),
+                                                  ("kimi-linear-tiny", "cuda", False)])
+def test_the_cpu_tiny_model_note_is_printed_for_a_tiny_model_on_the_cpu_only(model, device, noted):
+    from unimem_compile.demo import format_report
+
+    assert ("[CPU, tiny model:" in format_report(_report(model, device))) is noted
+
+
+def test_cli_help_is_plain_text_with_a_help_for_every_option(capsys):
+    for argv in ([], ["demo"], ["pool-info"], ["inspect"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    demo = " ".join(capsys.readouterr().out.split())
+    assert "--model {" in demo and "a built-in model with random weights" in demo
+    assert "where the model runs" in demo and "one of: " in demo and "aot_eager" in demo and "Greedy" in demo
+    with pytest.raises(SystemExit):
+        main(["pool-info", "--help"])
+    pool = " ".join(capsys.readouterr().out.split())
+    assert "a built-in geometry: the real Kimi-Linear-48B-A3B" in pool and "--config PATH" in pool
+
+
+def test_python_dash_m_unimem_compile_runs_the_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "unimem_compile", "pool-info", "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["geometry"] == "kimi-linear-48b"

@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 import unimem_compile
 from unimem_compile.hf.models import build_model
 
-from .test_generate import greedy, prompts
+from .generate_models import greedy, prompts
 
 
 @pytest.mark.parametrize("family", ["kimi-linear-tiny", "deepseek-v3-tiny"])

@@ -138,3 +138,27 @@ def test_the_mla_attention_rewrites_hash_the_chain_they_share(monkeypatch):
         rewrite.uuid()
     assert all(mla_expansion.__file__ in paths for paths in hashed) and len(hashed) == 2
     assert MLAPrefill(16).uuid() == MLAPrefill(16).uuid() != MLAPrefill(32).uuid()
+
+
+@pytest.mark.parametrize("tokens, family", [(5, "prefill, batch 2, query length 5"), (1, "decode step, batch 2")])
+def test_every_graph_compiled_gets_an_info_line_with_its_shape_family(tokens, family, caplog):
+    def forward(input_ids):
+        return input_ids * 2
+
+    compiled = torch.compile(forward, backend=make_pass_manager(False).backend("aot_eager"), fullgraph=True)
+    with caplog.at_level("INFO", logger="unimem_compile.compile"):
+        compiled(torch.randint(0, 9, (2, tokens)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "unimem_compile.compile"]
+    assert len(lines) == 1 and lines[0].startswith(f"compiled the {family} graph with aot_eager in ")
+
+
+def test_the_inductor_cache_hint_is_logged_once_per_process(caplog, monkeypatch):
+    from unimem_compile.passes import manager
+
+    monkeypatch.setattr(manager, "_said_once", set())
+    with caplog.at_level("INFO", logger="unimem_compile.compile"):
+        for _ in range(2):
+            manager._log_compiled("decode step, batch 4", "inductor", 1.5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "unimem_compile.compile"]
+    assert lines[0] == lines[2] == "compiled the decode step, batch 4 graph with inductor in 1.5 s"
+    assert len(lines) == 3 and "TORCHINDUCTOR_CACHE_DIR" in lines[1] and "12 s warm" in lines[1]

@@ -108,3 +108,38 @@ def test_pool_info_of_a_model_without_states_prints_no_state_lines(capsys):
     assert main(["pool-info", "--budget-gib", "2"]) == 0  # Kimi-Linear: both kinds, all lines
     out = capsys.readouterr().out
     assert "slot pitch" in out and "(states take no room)" in out and "hybrid allocator padding" in out
+
+
+def _kimi_48b_config():
+    """A transformers config of Kimi-Linear-48B-A3B's 27 layers (7 MLA, 20 KDA) at its real geometry, bf16."""
+    from unimem_compile.hf.models import model_config
+
+    config = model_config("kimi-linear-48b-4l")
+    config.num_hidden_layers = 27
+    config.layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 6 + ["linear_attention"] * 2 + [
+        "full_attention"]
+    config.mlp_layer_types = ["dense"] + ["sparse"] * 26
+    config.dtype = torch.bfloat16
+    return config
+
+
+def test_pool_info_of_a_config_json_equals_the_built_in_geometry_it_describes(tmp_path, capsys):
+    _kimi_48b_config().save_pretrained(tmp_path)
+    assert main(["pool-info", "--json"]) == 0
+    built_in = json.loads(capsys.readouterr().out)
+    for path in (tmp_path / "config.json", tmp_path):  # the file, or the folder holding it
+        assert main(["pool-info", "--json", "--config", str(path)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info.pop("geometry") == f"kimi_linear from {path}"
+        assert info == {k: v for k, v in built_in.items() if k != "geometry"}
+
+
+def test_pool_info_refuses_a_missing_or_unsupported_config_with_exit_status_2(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    assert main(["pool-info", "--config", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.startswith(f"unimem-compile pool-info: --config {tmp_path / 'nothing'}: ")
+    LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path)
+    assert main(["pool-info", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type='llama') is not supported; supported: KimiLinearForCausalLM" in err and "Traceback" not in err

@@ -18,7 +18,7 @@ import torch
 from ..errors import GeometryError, UnsupportedModel
 from ..pool import KERNEL_KV_DTYPES, LinearStateSpec, MLASpec
 
-__all__ = ["ModelAdapter", "SUPPORTED_FAMILIES", "adapter_for"]
+__all__ = ["ModelAdapter", "SUPPORTED_FAMILIES", "adapter_for", "adapter_for_config"]
 
 #: model_type -> model class names supported, for error messages
 SUPPORTED_FAMILIES = {
@@ -111,13 +111,27 @@ def adapter_for(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
             read and write (the pool itself also stores e5m2 rows, which no op reads).
     """
     config = getattr(model, "config", None)
+    _check_family(config, type(model).__name__)
+    return adapter_for_config(config, next(model.parameters()).dtype, kv_dtype)
+
+
+def _check_family(config, what: str) -> None:
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         supported = ", ".join(f"{cls} ({mt})" for mt, cls in SUPPORTED_FAMILIES.items())
-        raise UnsupportedModel(
-            f"{type(model).__name__} (model_type={family!r}) is not supported; supported: {supported}"
-        )
-    dtype = next(model.parameters()).dtype
+        raise UnsupportedModel(f"{what} (model_type={family!r}) is not supported; supported: {supported}")
+
+
+def adapter_for_config(config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> ModelAdapter:
+    """The adapter of a model described by ``config`` (a transformers config of a supported family) whose
+    parameters are ``dtype``: what :func:`adapter_for` returns for such a model, without building it
+    (``unimem-compile pool-info --config`` sizes a checkpoint's arena from its ``config.json``).
+
+    Raises:
+        the errors of :func:`adapter_for`.
+    """
+    _check_family(config, type(config).__name__)
+    family = config.model_type
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     if kv_dtype not in KERNEL_KV_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES)

@@ -187,6 +187,35 @@ def _check_prefill_chunks(chunk, cache: UnifiedCache | None, mask) -> None:
             raise GeometryError(f"row {empty[0]} of the batch consists of padding only ({mask.shape[1]} pads)")
 
 
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"{type(value).__name__}"
+
+
+def _bos_prompt(bos_token_id, kwargs: dict, device: torch.device) -> torch.Tensor:
+    """The prompt stock transformers generates from when a call passes no ``input_ids``: one BOS token per
+    row, ``[batch, 1]`` int64, the batch taken from the first tensor among the call's keywords (an
+    ``attention_mask``, say), else 1.
+
+    Raises:
+        ValueError: the call and the model's generation_config set no ``bos_token_id``."""
+    if bos_token_id is None:
+        raise ValueError("generate() without input_ids starts from the BOS token, but neither the call nor "
+                         "model.generation_config sets bos_token_id; pass input_ids")
+    if isinstance(bos_token_id, (list, tuple)):
+        bos_token_id = bos_token_id[0]
+    batch = next((int(v.shape[0]) for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 1)
+    return torch.full((batch, 1), int(bos_token_id), dtype=torch.long, device=device)
+
+
+def _with_input_ids(input_ids: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's ``args`` / ``kwargs`` with ``input_ids`` as its first argument (the ``input_ids`` / ``inputs``
+    keywords, None here, dropped)."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")}
+    return (input_ids, *args[1:]), kwargs
+
+
 def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) -> GenerateCall:
     """Check a generate() call on ``model`` (compiled, with ``handle``) and resolve what it asks for.
 
@@ -203,14 +232,18 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
 
     Raises:
         ValueError: two different caches (``cache=`` and ``past_key_values=``).
-        UnsupportedModel: a cache that is not a :class:`UnifiedCache` or belongs to another model; no
-            ``input_ids`` (``inputs_embeds``); ``input_ids`` on another device; hidden states or attention
-            maps asked for; beam search; assisted / speculative decoding; ``use_cache=False``; a model whose
-            parameters were cast since ``compile()``; ``prefill_chunk_size`` on a cache that holds tokens with
-            transformers < 5.21.
-        ValueError: a ``prefill_chunk_size`` that is not an int >= 1.
-        GeometryError: more rows than ``max_batch_size``; a passed cache of another row count; a prompt +
-            new tokens longer than ``max_seq_len``; with ``prefill_chunk_size``, a prompt row of padding only.
+        UnsupportedModel: a cache that is not a :class:`UnifiedCache` or belongs to another model;
+            ``inputs_embeds``; ``input_ids`` on another device; a ``cache_implementation``; hidden states or
+            attention maps asked for; beam search; assisted / speculative decoding; ``use_cache=False``; a
+            model whose parameters were cast since ``compile()``; ``prefill_chunk_size`` on a cache that
+            holds tokens with transformers < 5.21.
+        TypeError: ``input_ids`` that are not integers (a float tensor, say).
+        ValueError: ``input_ids`` that are not a 2-D tensor; no ``input_ids`` and no ``bos_token_id`` (a call
+            without ``input_ids`` starts from the BOS token, as stock transformers does); a
+            ``prefill_chunk_size`` that is not an int >= 1.
+        GeometryError: ``input_ids`` without tokens; more rows than ``max_batch_size``; a passed cache of
+            another row count; a prompt + new tokens longer than ``max_seq_len``; with
+            ``prefill_chunk_size``, a prompt row of padding only.
     """
     kwargs = dict(kwargs)
     # `is None`, not `or`: an empty transformers Cache is falsy (its length is 0)
@@ -224,14 +257,36 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
     if given is not None:
         handle.check_own(given)
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    config = _given_generation_config(args, kwargs)
+    setting = functools.partial(generation_setting, model, kwargs, config=config)
     if input_ids is None:
-        raise UnsupportedModel("unimem_compile's generate() needs input_ids (inputs_embeds are not supported)")
+        if kwargs.get("inputs_embeds") is not None:
+            raise UnsupportedModel("inputs_embeds are not supported by a model compiled by unimem_compile: "
+                                   "pass input_ids")
+        input_ids = _bos_prompt(setting("bos_token_id", None), kwargs, handle.pool.device)
+        args, kwargs = _with_input_ids(input_ids, args, kwargs)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D [batch, tokens] tensor of token ids, got "
+                         f"{_describe(input_ids)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids (torch.long or torch.int), got {input_ids.dtype}")
     if input_ids.device != handle.pool.device:
         raise UnsupportedModel(f"input_ids are on {input_ids.device} but the model and its pool are on "
                                f"{handle.pool.device}")
     batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
-    config = _given_generation_config(args, kwargs)
-    setting = functools.partial(generation_setting, model, kwargs, config=config)
+    if prompt == 0:
+        if given is not None and given.logical_len:
+            raise GeometryError(f"input_ids has no tokens and the cache passed holds {given.logical_len}: pass the "
+                                "whole sequence so far (the cached tokens, then the new ones)")
+        raise GeometryError(f"input_ids has no tokens (shape {list(input_ids.shape)}): generate() needs at least "
+                            "one prompt token per row (call it without input_ids to start from the BOS token)")
+    implementation = setting("cache_implementation", None)
+    if implementation is not None:
+        raise UnsupportedModel(f"cache_implementation={implementation!r} is not supported: a model compiled by "
+                               "unimem_compile always generates on its own UnifiedCache (paged, preallocated in "
+                               "the model's pool, what a static cache gives); leave cache_implementation unset"
+                               + ("" if kwargs.get("cache_implementation") is not None or config is not None
+                                  else " (model.generation_config sets it)"))
     check_outputs(model, {name: setting(name, None) for name in UNSUPPORTED_OUTPUTS})
     beams = int(setting("num_beams", 1))
     if beams > 1:

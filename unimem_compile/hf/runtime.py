@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from .. import env
-from ..errors import UnsupportedModel
+from ..errors import PoolExhausted, UnsupportedModel
 from ..pool import PageTables, UnifiedPool
 from ..pool.staging import StagedUpload
 from .adapters import ModelAdapter
@@ -139,6 +139,9 @@ class UnimemHandle:
         #: False: every generate() runs transformers' own decode loop even where the runner could decode it
         #: (an A/B switch; generate() says so once at INFO level)
         self.use_runner = True
+        #: rows of ``max_seq_len`` tokens, each with its state, that the arena holds at once (at most
+        #: ``max_batch_size``; ``compile()`` sets it and warns when it is fewer)
+        self.full_rows = max_batch_size
 
     @property
     def deferred_stop_check(self) -> bool | None:
@@ -224,6 +227,15 @@ class UnimemHandle:
         if cache.handle is not self:
             raise UnsupportedModel(f"this UnifiedCache belongs to another compiled model ({cache.handle!r}); "
                                    f"create caches for this one with model.unimem.new_cache()")
+
+    def budget_advice(self) -> str:
+        """What a PoolExhausted raised inside generate() adds: how many full rows the arena holds and what to
+        change."""
+        budget = self.pool.layout.memory_budget
+        return (f"the arena of {budget} bytes holds {self.full_rows} full rows of max_seq_len={self.max_seq_len} "
+                f"tokens and their states (max_batch_size={self.max_batch_size}): give unimem_compile.compile() a "
+                "larger memory_budget (None sizes the arena for max_batch_size full rows), or lower max_seq_len "
+                "or the rows per call")
 
     def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
         """A fresh :class:`UnifiedCache` of ``batch_size`` rows (default ``max_batch_size``)."""
@@ -455,6 +467,8 @@ def _run(original_generate, call: GenerateCall):
     except BaseException as e:
         if call.passed and cache.fingerprint() != before:
             cache.release(reason=f"generate() raised {type(e).__name__} while using it")
+        if isinstance(e, PoolExhausted):
+            e.args = (f"{e}; {cache.handle.budget_advice()}",)  # the same error, its fields and traceback
         raise
     finally:
         if not call.passed:
