@@ -85,6 +85,25 @@ class PageTables:
             raise GeometryError(f"row {row} is out of range [0, {self.max_batch_size})")
         return row
 
+    def _row_targets(self, op: str, rows, tokens, what: str, plural: str) -> tuple[list[int], list[int]]:
+        """``rows`` and their token targets as ints, checked: as many targets as rows, no row twice, every
+        row in range, no target above ``max_row_tokens`` (GeometryError naming ``op`` and the numbers)."""
+        rows = [as_int(r, "a row") for r in rows]
+        tokens = [as_int(n, what) for n in tokens]
+        if len(rows) != len(tokens):
+            raise GeometryError(f"{op}() got {len(rows)} rows but {len(tokens)} {plural}")
+        if len(set(rows)) != len(rows):
+            row = next(r for i, r in enumerate(rows) if r in rows[:i])
+            raise GeometryError(f"row {row} is listed twice in one {op}()")
+        for row, n in zip(rows, tokens):
+            self._check_row(row)
+            if n > self.max_row_tokens:
+                raise GeometryError(
+                    f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
+                    f"page_size={self.page_size} = {self.max_row_tokens}"
+                )
+        return rows, tokens
+
     def pages_needed(self, rows: Sequence[int], new_lengths: Sequence[int]) -> int:
         """Pages to allocate so that each ``rows[i]`` can hold ``new_lengths[i]`` tokens."""
         need = 0
@@ -105,22 +124,10 @@ class PageTables:
                 lengths, a length below the row's current one, or above ``max_pages_per_row * page_size``.
             PoolExhausted: the pages do not fit; no row changed.
         """
-        rows = [as_int(r, "a row") for r in rows]
-        new_lengths = [as_int(n, "a new row length") for n in new_lengths]
-        if len(rows) != len(new_lengths):
-            raise GeometryError(f"grow() got {len(rows)} rows but {len(new_lengths)} new lengths")
-        if len(set(rows)) != len(rows):
-            row = next(r for i, r in enumerate(rows) if r in rows[:i])
-            raise GeometryError(f"row {row} is listed twice in one grow()")
+        rows, new_lengths = self._row_targets("grow", rows, new_lengths, "a new row length", "new lengths")
         for row, n in zip(rows, new_lengths):
-            self._check_row(row)
             if n < self.lengths[row]:
                 raise GeometryError(f"row {row} holds {self.lengths[row]} tokens; cannot shrink it to {n}")
-            if n > self.max_row_tokens:
-                raise GeometryError(
-                    f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
-                    f"page_size={self.page_size} = {self.max_row_tokens}"
-                )
         self._add_pages(rows, new_lengths, in_flight_pages, in_flight_slots)
         for row, n in zip(rows, new_lengths):
             self.lengths[row] = n
@@ -142,20 +149,7 @@ class PageTables:
                 lengths, a capacity above ``max_pages_per_row * page_size``.
             PoolExhausted: the pages do not fit; no row changed.
         """
-        rows = [as_int(r, "a row") for r in rows]
-        capacities = [as_int(n, "a row capacity") for n in capacities]
-        if len(rows) != len(capacities):
-            raise GeometryError(f"reserve() got {len(rows)} rows but {len(capacities)} capacities")
-        if len(set(rows)) != len(rows):
-            row = next(r for i, r in enumerate(rows) if r in rows[:i])
-            raise GeometryError(f"row {row} is listed twice in one reserve()")
-        for row, n in zip(rows, capacities):
-            self._check_row(row)
-            if n > self.max_row_tokens:
-                raise GeometryError(
-                    f"row {row} would hold {n} tokens, more than max_pages_per_row={self.max_pages_per_row} x "
-                    f"page_size={self.page_size} = {self.max_row_tokens}"
-                )
+        rows, capacities = self._row_targets("reserve", rows, capacities, "a row capacity", "capacities")
         fresh = self._add_pages(rows, capacities, in_flight_pages, in_flight_slots)
         if fresh:
             self.sync()
