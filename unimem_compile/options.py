@@ -38,10 +38,7 @@ def kv_dtype_of(kv_dtype) -> torch.dtype | None:
     if isinstance(kv_dtype, str):
         name = SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
         if not isinstance(getattr(torch, name, None), torch.dtype):
-            fp8 = ""
-            if kv_dtype.lower().startswith(("fp8", "float8")):
-                fp8 = (" (fp8 is spelled 'fp8_e4m3')" if "fp8_e4m3" in SHORT_DTYPE_NAMES
-                       else " (fp8 KV rows are not computed by this version's ops)")
+            fp8 = " (fp8 is spelled 'fp8_e4m3')" if kv_dtype.lower().startswith(("fp8", "float8")) else ""
             raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype{fp8}; accepted: a torch dtype, its "
                             f"name ('bfloat16', 'torch.float16', ...) or one of "
                             f"{', '.join(repr(n) for n in SHORT_DTYPE_NAMES)}")
