@@ -7,5 +7,5 @@ scripts/setup.sh test
 if [ $# -gt 0 ]; then
   "${UNIMEM_VENV:-.venv}/bin/python" -m pytest -q "$@"
 else
-  "${UNIMEM_VENV:-.venv}/bin/python" -m pytest -q tests
+  "${UNIMEM_VENV:-.venv}/bin/python" -m pytest -q --durations=15 tests
 fi
