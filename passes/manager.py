@@ -23,11 +23,14 @@ logs one line saying why.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -216,6 +219,8 @@ class PassManager(CustomGraphPass):
 
                 graphed = bool(cudagraphs) and is_decode_graph(gm)
                 compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
+                if graphed:
+                    compiled = _in_any_thread(compiled)
             elif inner == "eager":
                 compiled = gm.forward
             else:
@@ -230,6 +235,39 @@ class PassManager(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"
+
+
+def ensure_cudagraph_tls() -> None:
+    """Give the calling thread the thread-local state Inductor's CUDA-graph trees look up.
+
+    torch 2.11's ``torch._inductor.cudagraph_trees.get_obj`` sets that state up in the importing thread and in
+    the threads autograd starts, and asserts in any other thread (``assert torch._C._is_key_in_tls(...)``): a
+    CUDA-graphed graph called from the continuous-batching engine's loop thread, or from a user's thread,
+    failed there (a one-token prefill chunk is a decode-shaped graph). torch 2.13 initialises the state for any
+    thread itself (``cudagraph_trees._initialize_tls``); this does the same on the versions before it: a thread
+    of its own gets its own tree-manager containers, as 2.13 gives it. Cheap enough per call (one attribute
+    lookup once the state exists).
+    """
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees, "_initialize_tls") or hasattr(trees.local, "tree_manager_containers"):
+        return
+    if torch._C._is_key_in_tls("tree_manager_containers"):  # a thread autograd started: it has the state
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+
+
+def _in_any_thread(compiled: Callable) -> Callable:
+    """``compiled`` (an Inductor graph with CUDA graphs on) callable from any thread: see
+    :func:`ensure_cudagraph_tls`."""
+
+    @functools.wraps(compiled)  # keeps the attributes Dynamo reads off a compiled graph (``_boxed_call``)
+    def run(*args, **kwargs):
+        ensure_cudagraph_tls()
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def graph_family(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:

@@ -162,3 +162,35 @@ def test_the_inductor_cache_hint_is_logged_once_per_process(caplog, monkeypatch)
     lines = [r.getMessage() for r in caplog.records if r.name == "unimem_compile.compile"]
     assert lines[0] == lines[2] == "compiled the decode step, batch 4 graph with inductor in 1.5 s"
     assert len(lines) == 3 and "TORCHINDUCTOR_CACHE_DIR" in lines[1] and "12 s warm" in lines[1]
+
+
+def test_cudagraph_tls_in_a_thread_of_its_own(monkeypatch):
+    """A CUDA-graphed decode graph called from a thread Python started (the engine's loop, a user's thread):
+    torch 2.11's cudagraph trees assert there (the H200 engine test's failure). ensure_cudagraph_tls gives
+    the thread containers of its own; on torch >= 2.13 (``_initialize_tls``) torch does it itself, so the
+    old path is exercised by hiding that function."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from unimem_compile.passes.manager import ensure_cudagraph_tls
+
+    monkeypatch.delattr(trees, "_initialize_tls", raising=False)
+    main_containers = trees.local.tree_manager_containers
+    seen = {}
+
+    def thread():
+        seen["before"] = hasattr(trees.local, "tree_manager_containers")
+        ensure_cudagraph_tls()
+        seen["containers"] = trees.local.tree_manager_containers
+        seen["lock"] = trees.local.tree_manager_locks[0]
+        ensure_cudagraph_tls()  # a second call keeps the thread's state
+        seen["same"] = trees.local.tree_manager_containers is seen["containers"]
+
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    assert seen["before"] is False
+    assert seen["containers"] == {} and seen["containers"] is not main_containers
+    assert isinstance(seen["lock"], type(threading.Lock())) and seen["same"]
+    assert trees.local.tree_manager_containers is main_containers  # the main thread's state untouched
