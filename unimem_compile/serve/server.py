@@ -89,7 +89,8 @@ def load_model(options: ServeOptions):
                          "checkpoint folder")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype, device_map=device).eval()
+    # loaded on the CPU, then moved: from_pretrained's device_map needs accelerate, which is no dependency
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return model, HFCodec.from_pretrained(options.model, eos)

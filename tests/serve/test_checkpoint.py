@@ -1,0 +1,68 @@
+"""``serve --model FOLDER``: a checkpoint folder (``save_pretrained`` of a tiny model and of a word-level
+tokenizer built here, no network) loads on the CPU without accelerate, with the folder's weights, its
+tokenizer, its chat template and the generation config's EOS ids; a folder without a chat template refuses
+chat rendering by name; a name that is neither a preset nor a folder is refused with both listed."""
+
+import pytest
+import torch
+
+from unimem_compile.hf.models import build_model
+from unimem_compile.serve.server import ServeOptions, load_model
+from unimem_compile.serve.text import ChatTemplateMissing, HFCodec
+
+WORDS = ["<pad>", "<s>", "</s>", "hello", "world", "the", "cat", "sat", "on", "mat", "<|user|>", "<|assistant|>"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _tokenizer(chat_template):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    torch.manual_seed(0)
+    model = build_model("kimi-linear-tiny")
+    model.generation_config.eos_token_id = [2, 7]  # two ids: the server ends a reply at either
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path)
+    _tokenizer(TEMPLATE).save_pretrained(path)
+    return path, model
+
+
+def test_a_checkpoint_folder_loads_its_weights_tokenizer_and_eos_ids(folder):
+    path, saved = folder
+    model, codec = load_model(ServeOptions(model=str(path), device="cpu"))
+    assert type(model) is type(saved) and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the CPU default
+    for (name, a), (_, b) in zip(saved.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert isinstance(codec, HFCodec) and codec.vocab_size == len(WORDS)
+    assert codec.eos_token_ids == frozenset({2, 7})
+    ids = codec.encode("hello world the cat")
+    assert ids == [3, 4, 5, 6] and codec.decode(ids + [2]) == "hello world the cat"  # specials skipped
+    assert codec.chat_ids([{"role": "user", "content": "the cat sat"}]) == [10, 5, 6, 7, 11]
+    assert ServeOptions(model=str(path) + "/").name == path.name
+
+
+def test_a_folder_without_chat_template_refuses_chat_only(folder, tmp_path):
+    path, saved = folder
+    saved.save_pretrained(tmp_path)
+    _tokenizer(None).save_pretrained(tmp_path)
+    _, codec = load_model(ServeOptions(model=str(tmp_path), device="cpu"))
+    assert codec.encode("on the mat") == [8, 5, 9]
+    with pytest.raises(ChatTemplateMissing, match="no chat template; use /v1/completions"):
+        codec.chat_ids([{"role": "user", "content": "hello"}])
+
+
+def test_a_name_neither_preset_nor_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"'.*nowhere' is neither a preset \(.*kimi-linear-tiny.*\) nor a checkpoint"):
+        load_model(ServeOptions(model=str(tmp_path / "nowhere"), device="cpu"))
