@@ -136,6 +136,48 @@ def _tile_rows(pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.const
 
 
 @triton.jit
+def _tile_step(rows, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.constexpr, L: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, STRIDE: tl.constexpr):
+    # One iteration of a split kernel's tile loop: from `rows` (_tile_rows of tokens [t0, t0 + BLOCK_N)), each
+    # of the tile's tokens' arena row times STRIDE (its first element when a row is STRIDE elements; STRIDE 1:
+    # the row index) and their mask (< end), and the next tile's lookup, issued one iteration ahead so its
+    # two dependent table loads overlap the current tile's KV load instead of stalling in front of it
+    rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
+    offs_n = tl.arange(0, BLOCK_N)
+    t_ok = (t0 + offs_n) < end
+    if PAGE_TILE:
+        # one page: a contiguous run of BLOCK_N rows. Scaled as two terms: (rows + offs_n) * STRIDE compiles
+        # the bf16 kernel (STRIDE 576) with 248 bytes of stack instead of 160 (sm_90, BLOCK_N 64)
+        off = rows * STRIDE + offs_n * STRIDE
+    else:
+        off = rows * STRIDE
+    return off, t_ok, rows_next
+
+
+@triton.jit
+def _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR: tl.constexpr, BLOCK_DR: tl.constexpr):
+    # row b's rope queries [BLOCK_H, BLOCK_DR] for heads offs_h (padded heads and columns load zeros: finite
+    # scores, outputs never stored), with the rope columns and their mask, which the key loads use too
+    cr = tl.arange(0, BLOCK_DR)
+    cr_ok = cr < DR
+    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
+                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0)
+    return qr, cr, cr_ok
+
+
+@triton.jit
+def _softmax_step(qk, t_ok, qk_scale, m_i, l_i):
+    # one tile of the online softmax over raw scores qk [BLOCK_H, BLOCK_N] (tokens not t_ok excluded), in base
+    # 2 (qk_scale carries log2(e)): the tile's unnormalised probabilities, the factor that rescales what was
+    # accumulated before, and the new running max and sum
+    qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
@@ -156,39 +198,28 @@ def _mla_decode_split_kernel(
     n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
     c0 = tl.arange(0, R_HALF)
     c1 = R_HALF + c0
-    cr = tl.arange(0, BLOCK_DR)
     h_ok = offs_h < H
     c0_ok = c0 < R
     c1_ok = c1 < R
-    cr_ok = cr < DR
     kv_ty = kv_ptr.dtype.element_ty
     # padded heads load zero queries: finite scores, outputs never stored
     qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
     q0 = tl.load(qn_row + c0[None, :], mask=h_ok[:, None] & c0_ok[None, :], other=0.0).to(kv_ty)
     q1 = tl.load(qn_row + c1[None, :], mask=h_ok[:, None] & c1_ok[None, :], other=0.0).to(kv_ty)
-    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
-                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(kv_ty)
+    qr, cr, cr_ok = _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR, BLOCK_DR)
+    qr = qr.to(kv_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
-    # the next tile's page lookup is issued one iteration ahead, so its two dependent table loads overlap
-    # the current tile's KV load instead of stalling in front of it
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        rows = rows_next
-        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
-                               PAGE_TILE)
-        t_ok = (t0 + offs_n) < end
-        if PAGE_TILE:
-            row_off = rows * D + offs_n * D  # one page: a contiguous run of BLOCK_N rows
-        else:
-            row_off = rows * D
+        row_off, t_ok, rows_next = _tile_step(rows_next, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS, L,
+                                              BLOCK_N, PAGE_TILE, D)
         base = kv_ptr + row_off[:, None]
         k0 = tl.load(base + c0[None, :], mask=t_ok[:, None] & c0_ok[None, :], other=0.0)
         k1 = tl.load(base + c1[None, :], mask=t_ok[:, None] & c1_ok[None, :], other=0.0)
@@ -196,15 +227,10 @@ def _mla_decode_split_kernel(
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
         qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
         qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, t_ok, qk_scale, m_i, l_i)
         pk = p.to(kv_ty)
         acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
         acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
     o0 = acc0 / l_safe[:, None]
@@ -284,10 +310,7 @@ def _mla_decode_split_fp8_kernel(
     n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
-    cr = tl.arange(0, BLOCK_DR)
     h_ok = offs_h < H
-    cr_ok = cr < DR
     qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
     q0 = _fp8_query(qn_row, h_ok, 0, R, SCALE_TILE, TILE_C, DOT_TY)
     if NT > 1:
@@ -296,8 +319,8 @@ def _mla_decode_split_fp8_kernel(
         q2 = _fp8_query(qn_row, h_ok, 2, R, SCALE_TILE, TILE_C, DOT_TY)
     if NT > 3:
         q3 = _fp8_query(qn_row, h_ok, 3, R, SCALE_TILE, TILE_C, DOT_TY)
-    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
-                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
+    qr, cr, cr_ok = _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR, BLOCK_DR)
+    qr = qr.to(DOT_TY)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -308,14 +331,8 @@ def _mla_decode_split_fp8_kernel(
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        rows = rows_next
-        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
-                               PAGE_TILE)
-        t_ok = (t0 + offs_n) < end
-        if PAGE_TILE:
-            row = rows + offs_n  # one page: a contiguous run of BLOCK_N rows
-        else:
-            row = rows
+        row, t_ok, rows_next = _tile_step(rows_next, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS, L,
+                                          BLOCK_N, PAGE_TILE, 1)
         kr = tl.load(rope_ptr + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None] + cr[None, :],
                      mask=t_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
         qk = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
@@ -334,11 +351,7 @@ def _mla_decode_split_fp8_kernel(
             k3 = _fp8_codes(code_ptr, row, t_ok, 3, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
             s3 = _fp8_scale(scale_ptr, row, t_ok, 3, ROW_BYTES, SCALE_OFFSET)
             qk += tl.dot(q3, tl.trans(k3), input_precision=DOT_PRECISION) * s3[None, :]
-        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, t_ok, qk_scale, m_i, l_i)
         acc0 = tl.dot((p * s0[None, :]).to(DOT_TY), k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
         if NT > 1:
             acc1 = tl.dot((p * s1[None, :]).to(DOT_TY), k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
@@ -346,7 +359,6 @@ def _mla_decode_split_fp8_kernel(
             acc2 = tl.dot((p * s2[None, :]).to(DOT_TY), k2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
         if NT > 3:
             acc3 = tl.dot((p * s3[None, :]).to(DOT_TY), k3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
     if SPLIT:
