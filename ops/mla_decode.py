@@ -17,9 +17,10 @@ a growing context never recompiles and the launch can be captured in a CUDA grap
 computed inside the kernel from ``kv_len``.
 
 Scaled fp8 rows (an fp8 ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowFormat`) have a split kernel
-of their own (:func:`_mla_decode_split_fp8_kernel`, the same grid, tiles and merge): it reads the codes,
-the fp32 scale of each 128-value tile and the bf16 rope, converts the codes exactly and applies the scales
-after the products they factor out of, never rounding a dequantised value.
+of their own (:func:`_mla_decode_split_fp8_kernel`: the same grid, tiles, tile loop, online softmax and
+merge, through the helpers both split kernels call): it reads the codes, the fp32 scale of each 128-value
+tile and the bf16 rope, converts the codes exactly and applies the scales after the products they factor
+out of, never rounding a dequantised value.
 """
 
 from __future__ import annotations
@@ -609,10 +610,8 @@ def mla_decode_triton(
         q_rope = q_rope.contiguous()
     page_table = page_table.contiguous()
     kv_len = kv_len.contiguous()
-    D = g.row_width
-    row_bytes = g.row_bytes
-    n_rows = arena.numel() // row_bytes
-    kv = None if g.quantized else arena[: n_rows * row_bytes].view(kv_dtype)
+    n_rows = arena.numel() // g.row_bytes
+    rows = arena[: n_rows * g.row_bytes]  # the arena's whole rows, uint8
     if splits > 1:
         part_o = torch.empty((B, splits, H, R), dtype=partial_dtype or torch.float32, device=q_nope.device)
         part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
@@ -620,9 +619,10 @@ def mla_decode_triton(
         part_o = part_lse = out  # unused by the kernel when there is one split
     if use_wgmma:
         try:
-            mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse,
-                                    out, sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num,
-                                    splits, block_h, stages=wgmma_stages, early_refill=wgmma_early_refill)
+            mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p, page_table,
+                                    kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
+                                    layer * page_size, page_size, layer_num, splits, block_h, stages=wgmma_stages,
+                                    early_refill=wgmma_early_refill)
         except triton.compiler.errors.CompilationError as e:
             # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
             # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
@@ -635,11 +635,8 @@ def mla_decode_triton(
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
                                      partial_dtype=partial_dtype, kernel="portable", merge_block_r=merge_block_r,
                                      merge_block_s=merge_block_s)
-    elif g.quantized:
-        _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g,
-                             splits, block_h, block_n, num_warps, num_stages)
     else:
-        _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
+        _launch_portable(q_nope, q_rope, rows, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
     if splits > 1:
         auto_r, auto_s = merge_tile(B, H, R, splits, _device_sms(q_nope.device))
@@ -651,47 +648,35 @@ def mla_decode_triton(
     return out
 
 
-def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
+def _launch_portable(q_nope, q_rope, rows, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
                      g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
+    # the portable split kernel over the arena's whole rows `rows` (uint8, from byte 0): the bf16 kernel on
+    # them as kv_dtype elements; for an fp8 kv_dtype the fp8 kernel on them as codes, scales and rope
     B, H, R = q_nope.shape
     layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
-    page_tile = page_size % block_n == 0
     if num_stages is None:
         num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
-    _mla_decode_split_kernel[(triton.cdiv(H, block_h), B, splits)](
-        q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out,
-        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
-        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
-        BLOCK_H=block_h, BLOCK_N=block_n, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
-        BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
-        SPLIT=splits > 1, PAGE_TILE=page_tile, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
-
-
-def _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
-                         g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
-    B, H, R = q_nope.shape
-    layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
+    grid = (triton.cdiv(H, block_h), B, splits)
+    tables = (v2p, page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, v2p.numel(), P * page_size,
+              layer * page_size, H, splits, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
+              page_table.stride(0))
+    sizes = dict(R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num, BLOCK_H=block_h, BLOCK_N=block_n,
+                 BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)), SPLIT=splits > 1,
+                 PAGE_TILE=page_size % block_n == 0, num_warps=num_warps, num_stages=num_stages)
+    if not g.quantized:
+        _mla_decode_split_kernel[grid](
+            q_nope, q_rope, rows.view(kv_dtype), *tables, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
+            DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32", **sizes,
+        )
+        return
     fmt = g.row_format
-    rows = arena[: arena.numel() // fmt.row_bytes * fmt.row_bytes]
-    page_tile = page_size % block_n == 0
-    if num_stages is None:
-        num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
     fp32 = q_nope.dtype == torch.float32
-    _mla_decode_split_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
-        q_nope, q_rope, rows, rows.view(torch.float32), rows.view(torch.bfloat16), v2p, page_table, kv_len,
-        part_o, part_lse, out,
-        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
-        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
-        ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset,
-        BLOCK_H=block_h, BLOCK_N=block_n, SCALE_TILE=FP8_TILE,
-        TILE_C=min(FP8_TILE, max(16, triton.next_power_of_2(R))), NT=fmt.num_scales, BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
-        SPLIT=splits > 1, PAGE_TILE=page_tile, HW_FP8=fp8_hw_conversion(q_nope.device, kv_dtype), FNUZ=fp8.FNUZ[kv_dtype],
-        DOT_TY=tl.float32 if fp32 else tl.bfloat16, DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+    _mla_decode_split_fp8_kernel[grid](
+        q_nope, q_rope, rows, rows.view(torch.float32), rows.view(torch.bfloat16), *tables,
+        ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset, SCALE_TILE=FP8_TILE,
+        TILE_C=min(FP8_TILE, max(16, triton.next_power_of_2(R))), NT=fmt.num_scales,
+        HW_FP8=fp8_hw_conversion(q_nope.device, kv_dtype), FNUZ=fp8.FNUZ[kv_dtype],
+        DOT_TY=tl.float32 if fp32 else tl.bfloat16, DOT_PRECISION="ieee" if fp32 else "tf32", **sizes,
     )
 
 
