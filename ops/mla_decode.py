@@ -148,7 +148,7 @@ def _tile_step(rows, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl
     t_ok = (t0 + offs_n) < end
     if PAGE_TILE:
         # one page: a contiguous run of BLOCK_N rows. Scaled as two terms: (rows + offs_n) * STRIDE compiles
-        # the bf16 kernel (STRIDE 576) with 248 bytes of stack instead of 160 (sm_90, BLOCK_N 64)
+        # the bf16 kernel (STRIDE 576) with 248 bytes of stack instead of 160 (sm_90, BLOCK_N 64, Triton 3.9)
         off = rows * STRIDE + offs_n * STRIDE
     else:
         off = rows * STRIDE
