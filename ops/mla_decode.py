@@ -137,14 +137,14 @@ def _tile_rows(pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.const
 
 
 @triton.jit
-def _tile_step(rows, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.constexpr, L: tl.constexpr,
-               BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, STRIDE: tl.constexpr):
+def _tile_step(rows, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.constexpr,
+               L: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, STRIDE: tl.constexpr):
     # One iteration of a split kernel's tile loop: from `rows` (_tile_rows of tokens [t0, t0 + BLOCK_N)), each
     # of the tile's tokens' arena row times STRIDE (its first element when a row is STRIDE elements; STRIDE 1:
     # the row index) and their mask (< end), and the next tile's lookup, issued one iteration ahead so its
-    # two dependent table loads overlap the current tile's KV load instead of stalling in front of it
+    # two dependent table loads overlap the current tile's KV load instead of stalling in front of it.
+    # offs_n (arange(BLOCK_N)) comes from the kernel's prologue: made here, it changes the sm_90 schedule.
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
-    offs_n = tl.arange(0, BLOCK_N)
     t_ok = (t0 + offs_n) < end
     if PAGE_TILE:
         # one page: a contiguous run of BLOCK_N rows. Scaled as two terms: (rows + offs_n) * STRIDE compiles
@@ -199,6 +199,7 @@ def _mla_decode_split_kernel(
     n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
     c0 = tl.arange(0, R_HALF)
     c1 = R_HALF + c0
     h_ok = offs_h < H
@@ -219,8 +220,8 @@ def _mla_decode_split_kernel(
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        row_off, t_ok, rows_next = _tile_step(rows_next, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS, L,
-                                              BLOCK_N, PAGE_TILE, D)
+        row_off, t_ok, rows_next = _tile_step(rows_next, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows,
+                                              PS, L, BLOCK_N, PAGE_TILE, D)
         base = kv_ptr + row_off[:, None]
         k0 = tl.load(base + c0[None, :], mask=t_ok[:, None] & c0_ok[None, :], other=0.0)
         k1 = tl.load(base + c1[None, :], mask=t_ok[:, None] & c1_ok[None, :], other=0.0)
@@ -311,6 +312,7 @@ def _mla_decode_split_fp8_kernel(
     n, split_len, start, end = _split_bounds(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
     qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
     q0 = _fp8_query(qn_row, h_ok, 0, R, SCALE_TILE, TILE_C, DOT_TY)
@@ -332,8 +334,8 @@ def _mla_decode_split_fp8_kernel(
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        row, t_ok, rows_next = _tile_step(rows_next, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS, L,
-                                          BLOCK_N, PAGE_TILE, 1)
+        row, t_ok, rows_next = _tile_step(rows_next, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS,
+                                          L, BLOCK_N, PAGE_TILE, 1)
         kr = tl.load(rope_ptr + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None] + cr[None, :],
                      mask=t_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
         qk = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
