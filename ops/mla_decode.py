@@ -17,9 +17,10 @@ a growing context never recompiles and the launch can be captured in a CUDA grap
 computed inside the kernel from ``kv_len``.
 
 Scaled fp8 rows (an fp8 ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowFormat`) have a split kernel
-of their own (:func:`_mla_decode_split_fp8_kernel`, the same grid, tiles and merge): it reads the codes,
-the fp32 scale of each 128-value tile and the bf16 rope, converts the codes exactly and applies the scales
-after the products they factor out of, never rounding a dequantised value.
+of their own (:func:`_mla_decode_split_fp8_kernel`: the same grid, tiles, tile loop, online softmax and
+merge, through the helpers both split kernels call): it reads the codes, the fp32 scale of each 128-value
+tile and the bf16 rope, converts the codes exactly and applies the scales after the products they factor
+out of, never rounding a dequantised value.
 """
 
 from __future__ import annotations
@@ -136,6 +137,48 @@ def _tile_rows(pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.const
 
 
 @triton.jit
+def _tile_step(rows, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS: tl.constexpr,
+               L: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, STRIDE: tl.constexpr):
+    # One iteration of a split kernel's tile loop: from `rows` (_tile_rows of tokens [t0, t0 + BLOCK_N)), each
+    # of the tile's tokens' arena row times STRIDE (its first element when a row is STRIDE elements; STRIDE 1:
+    # the row index) and their mask (< end), and the next tile's lookup, issued one iteration ahead so its
+    # two dependent table loads overlap the current tile's KV load instead of stalling in front of it.
+    # offs_n (arange(BLOCK_N)) comes from the kernel's prologue: made here, it changes the sm_90 schedule.
+    rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
+    t_ok = (t0 + offs_n) < end
+    if PAGE_TILE:
+        # one page: a contiguous run of BLOCK_N rows. Scaled as two terms: (rows + offs_n) * STRIDE compiles
+        # the bf16 kernel (STRIDE 576) with 248 bytes of stack instead of 160 (sm_90, BLOCK_N 64, Triton 3.9)
+        off = rows * STRIDE + offs_n * STRIDE
+    else:
+        off = rows * STRIDE
+    return off, t_ok, rows_next
+
+
+@triton.jit
+def _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR: tl.constexpr, BLOCK_DR: tl.constexpr):
+    # row b's rope queries [BLOCK_H, BLOCK_DR] for heads offs_h (padded heads and columns load zeros: finite
+    # scores, outputs never stored), with the rope columns and their mask, which the key loads use too
+    cr = tl.arange(0, BLOCK_DR)
+    cr_ok = cr < DR
+    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
+                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0)
+    return qr, cr, cr_ok
+
+
+@triton.jit
+def _softmax_step(qk, t_ok, qk_scale, m_i, l_i):
+    # one tile of the online softmax over raw scores qk [BLOCK_H, BLOCK_N] (tokens not t_ok excluded), in base
+    # 2 (qk_scale carries log2(e)): the tile's unnormalised probabilities, the factor that rescales what was
+    # accumulated before, and the new running max and sum
+    qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
@@ -159,36 +202,26 @@ def _mla_decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     c0 = tl.arange(0, R_HALF)
     c1 = R_HALF + c0
-    cr = tl.arange(0, BLOCK_DR)
     h_ok = offs_h < H
     c0_ok = c0 < R
     c1_ok = c1 < R
-    cr_ok = cr < DR
     kv_ty = kv_ptr.dtype.element_ty
     # padded heads load zero queries: finite scores, outputs never stored
     qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
     q0 = tl.load(qn_row + c0[None, :], mask=h_ok[:, None] & c0_ok[None, :], other=0.0).to(kv_ty)
     q1 = tl.load(qn_row + c1[None, :], mask=h_ok[:, None] & c1_ok[None, :], other=0.0).to(kv_ty)
-    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
-                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(kv_ty)
+    qr, cr, cr_ok = _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR, BLOCK_DR)
+    qr = qr.to(kv_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, R_HALF], tl.float32)
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
-    # the next tile's page lookup is issued one iteration ahead, so its two dependent table loads overlap
-    # the current tile's KV load instead of stalling in front of it
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        rows = rows_next
-        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
-                               PAGE_TILE)
-        t_ok = (t0 + offs_n) < end
-        if PAGE_TILE:
-            row_off = rows * D + offs_n * D  # one page: a contiguous run of BLOCK_N rows
-        else:
-            row_off = rows * D
+        row_off, t_ok, rows_next = _tile_step(rows_next, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows,
+                                              PS, L, BLOCK_N, PAGE_TILE, D)
         base = kv_ptr + row_off[:, None]
         k0 = tl.load(base + c0[None, :], mask=t_ok[:, None] & c0_ok[None, :], other=0.0)
         k1 = tl.load(base + c1[None, :], mask=t_ok[:, None] & c1_ok[None, :], other=0.0)
@@ -196,15 +229,10 @@ def _mla_decode_split_kernel(
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
         qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
         qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, t_ok, qk_scale, m_i, l_i)
         pk = p.to(kv_ty)
         acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
         acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
     o0 = acc0 / l_safe[:, None]
@@ -285,9 +313,7 @@ def _mla_decode_split_fp8_kernel(
 
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
-    cr = tl.arange(0, BLOCK_DR)
     h_ok = offs_h < H
-    cr_ok = cr < DR
     qn_row = q_nope_ptr + b.to(tl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
     q0 = _fp8_query(qn_row, h_ok, 0, R, SCALE_TILE, TILE_C, DOT_TY)
     if NT > 1:
@@ -296,8 +322,8 @@ def _mla_decode_split_fp8_kernel(
         q2 = _fp8_query(qn_row, h_ok, 2, R, SCALE_TILE, TILE_C, DOT_TY)
     if NT > 3:
         q3 = _fp8_query(qn_row, h_ok, 3, R, SCALE_TILE, TILE_C, DOT_TY)
-    qr = tl.load(q_rope_ptr + b.to(tl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h + cr[None, :],
-                 mask=h_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
+    qr, cr, cr_ok = _rope_query(q_rope_ptr, b, offs_h, h_ok, stride_qr_b, stride_qr_h, DR, BLOCK_DR)
+    qr = qr.to(DOT_TY)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -308,14 +334,8 @@ def _mla_decode_split_fp8_kernel(
     pt_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
     rows_next = _tile_rows(pt_row_ptr, v2p_ptr, start, end, num_pages, layer_rows, PS, L, BLOCK_N, PAGE_TILE)
     for t0 in range(start, end, BLOCK_N):
-        rows = rows_next
-        rows_next = _tile_rows(pt_row_ptr, v2p_ptr, t0 + BLOCK_N, end, num_pages, layer_rows, PS, L, BLOCK_N,
-                               PAGE_TILE)
-        t_ok = (t0 + offs_n) < end
-        if PAGE_TILE:
-            row = rows + offs_n  # one page: a contiguous run of BLOCK_N rows
-        else:
-            row = rows
+        row, t_ok, rows_next = _tile_step(rows_next, offs_n, pt_row_ptr, v2p_ptr, t0, end, num_pages, layer_rows, PS,
+                                          L, BLOCK_N, PAGE_TILE, 1)
         kr = tl.load(rope_ptr + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None] + cr[None, :],
                      mask=t_ok[:, None] & cr_ok[None, :], other=0.0).to(DOT_TY)
         qk = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
@@ -334,11 +354,7 @@ def _mla_decode_split_fp8_kernel(
             k3 = _fp8_codes(code_ptr, row, t_ok, 3, R, ROW_BYTES, SCALE_TILE, TILE_C, HW_FP8, FNUZ, DOT_TY)
             s3 = _fp8_scale(scale_ptr, row, t_ok, 3, ROW_BYTES, SCALE_OFFSET)
             qk += tl.dot(q3, tl.trans(k3), input_precision=DOT_PRECISION) * s3[None, :]
-        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))  # base-2 scores: qk_scale carries log2(e)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, t_ok, qk_scale, m_i, l_i)
         acc0 = tl.dot((p * s0[None, :]).to(DOT_TY), k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
         if NT > 1:
             acc1 = tl.dot((p * s1[None, :]).to(DOT_TY), k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
@@ -346,7 +362,6 @@ def _mla_decode_split_fp8_kernel(
             acc2 = tl.dot((p * s2[None, :]).to(DOT_TY), k2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
         if NT > 3:
             acc3 = tl.dot((p * s3[None, :]).to(DOT_TY), k3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
     if SPLIT:
@@ -597,10 +612,8 @@ def mla_decode_triton(
         q_rope = q_rope.contiguous()
     page_table = page_table.contiguous()
     kv_len = kv_len.contiguous()
-    D = g.row_width
-    row_bytes = g.row_bytes
-    n_rows = arena.numel() // row_bytes
-    kv = None if g.quantized else arena[: n_rows * row_bytes].view(kv_dtype)
+    n_rows = arena.numel() // g.row_bytes
+    rows = arena[: n_rows * g.row_bytes]  # the arena's whole rows, uint8
     if splits > 1:
         part_o = torch.empty((B, splits, H, R), dtype=partial_dtype or torch.float32, device=q_nope.device)
         part_lse = torch.empty((B, splits, H), dtype=torch.float32, device=q_nope.device)
@@ -608,9 +621,10 @@ def mla_decode_triton(
         part_o = part_lse = out  # unused by the kernel when there is one split
     if use_wgmma:
         try:
-            mla_decode_stage1_wgmma(q_nope, q_rope, kv.view(n_rows, D), v2p, page_table, kv_len, part_o, part_lse,
-                                    out, sm_scale * _LOG2E, P * page_size, layer * page_size, page_size, layer_num,
-                                    splits, block_h, stages=wgmma_stages, early_refill=wgmma_early_refill)
+            mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p, page_table,
+                                    kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
+                                    layer * page_size, page_size, layer_num, splits, block_h, stages=wgmma_stages,
+                                    early_refill=wgmma_early_refill)
         except triton.compiler.errors.CompilationError as e:
             # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
             # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
@@ -623,11 +637,8 @@ def mla_decode_triton(
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
                                      partial_dtype=partial_dtype, kernel="portable", merge_block_r=merge_block_r,
                                      merge_block_s=merge_block_s)
-    elif g.quantized:
-        _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g,
-                             splits, block_h, block_n, num_warps, num_stages)
     else:
-        _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
+        _launch_portable(q_nope, q_rope, rows, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P, g, splits,
                          block_h, block_n, num_warps, num_stages)
     if splits > 1:
         auto_r, auto_s = merge_tile(B, H, R, splits, _device_sms(q_nope.device))
@@ -639,47 +650,35 @@ def mla_decode_triton(
     return out
 
 
-def _launch_portable(q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
+def _launch_portable(q_nope, q_rope, rows, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
                      g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
+    # the portable split kernel over the arena's whole rows `rows` (uint8, from byte 0): the bf16 kernel on
+    # them as kv_dtype elements; for an fp8 kv_dtype the fp8 kernel on them as codes, scales and rope
     B, H, R = q_nope.shape
     layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
-    page_tile = page_size % block_n == 0
     if num_stages is None:
         num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
-    _mla_decode_split_kernel[(triton.cdiv(H, block_h), B, splits)](
-        q_nope, q_rope, kv, v2p, page_table, kv_len, part_o, part_lse, out,
-        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
-        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
-        BLOCK_H=block_h, BLOCK_N=block_n, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
-        BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
-        SPLIT=splits > 1, PAGE_TILE=page_tile, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
-
-
-def _launch_portable_fp8(q_nope, q_rope, arena, v2p, page_table, kv_len, part_o, part_lse, out, sm_scale, P,
-                         g: MLAGeometry, splits, block_h, block_n, num_warps, num_stages) -> None:
-    B, H, R = q_nope.shape
-    layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
+    grid = (triton.cdiv(H, block_h), B, splits)
+    tables = (v2p, page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, v2p.numel(), P * page_size,
+              layer * page_size, H, splits, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
+              page_table.stride(0))
+    sizes = dict(R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num, BLOCK_H=block_h, BLOCK_N=block_n,
+                 BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)), SPLIT=splits > 1,
+                 PAGE_TILE=page_size % block_n == 0, num_warps=num_warps, num_stages=num_stages)
+    if not g.quantized:
+        _mla_decode_split_kernel[grid](
+            q_nope, q_rope, rows.view(kv_dtype), *tables, R_HALF=max(32, triton.next_power_of_2(R)) // 2,
+            DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32", **sizes,
+        )
+        return
     fmt = g.row_format
-    rows = arena[: arena.numel() // fmt.row_bytes * fmt.row_bytes]
-    page_tile = page_size % block_n == 0
-    if num_stages is None:
-        num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
     fp32 = q_nope.dtype == torch.float32
-    _mla_decode_split_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
-        q_nope, q_rope, rows, rows.view(torch.float32), rows.view(torch.bfloat16), v2p, page_table, kv_len,
-        part_o, part_lse, out,
-        sm_scale * _LOG2E, v2p.numel(), P * page_size, layer * page_size, H, splits,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
-        R=R, DR=qk_rope_head_dim, PS=page_size, L=layer_num,
-        ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset,
-        BLOCK_H=block_h, BLOCK_N=block_n, SCALE_TILE=FP8_TILE,
-        TILE_C=min(FP8_TILE, max(16, triton.next_power_of_2(R))), NT=fmt.num_scales, BLOCK_DR=max(16, triton.next_power_of_2(qk_rope_head_dim)),
-        SPLIT=splits > 1, PAGE_TILE=page_tile, HW_FP8=fp8_hw_conversion(q_nope.device, kv_dtype), FNUZ=fp8.FNUZ[kv_dtype],
-        DOT_TY=tl.float32 if fp32 else tl.bfloat16, DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+    _mla_decode_split_fp8_kernel[grid](
+        q_nope, q_rope, rows, rows.view(torch.float32), rows.view(torch.bfloat16), *tables,
+        ROW_BYTES=fmt.row_bytes, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset, SCALE_TILE=FP8_TILE,
+        TILE_C=min(FP8_TILE, max(16, triton.next_power_of_2(R))), NT=fmt.num_scales,
+        HW_FP8=fp8_hw_conversion(q_nope.device, kv_dtype), FNUZ=fp8.FNUZ[kv_dtype],
+        DOT_TY=tl.float32 if fp32 else tl.bfloat16, DOT_PRECISION="ieee" if fp32 else "tf32", **sizes,
     )
 
 

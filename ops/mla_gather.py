@@ -95,17 +95,12 @@ def mla_gather_reference(arena, v2p, page_table, kv_len, out_offset, max_len, *g
 
 
 @triton.jit
-def _mla_gather_kernel(
-    out_ptr,  # [B, max_len, R + DR] contiguous
-    src_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
-    v2p_ptr, pt_ptr, kv_len_ptr, off_ptr,
-    num_pages, max_len, P, pt_stride_b, pt_stride_p, len_stride, off_stride, layer, layer_num, page_size,
-    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, VEC: tl.constexpr,
-):
-    # Tiling: program (n, b) owns OUTPUT positions [n*BLOCK_N, (n+1)*BLOCK_N) of row b, whole rows, as a
-    # [BLOCK_N, R_P2] and a [BLOCK_N, DR_P2] tile. Iterating over output positions writes every position
-    # exactly once (zeros included), so the result needs no separate fill and nothing past max_len is touched.
+def _history_rows(v2p_ptr, pt_ptr, kv_len_ptr, off_ptr, num_pages, max_len, P, pt_stride_b, pt_stride_p, len_stride,
+                  off_stride, layer, layer_num, page_size, BLOCK_N: tl.constexpr):
+    # Program (n, b)'s output positions j = n*BLOCK_N + [0, BLOCK_N) of row b, as flat output rows b*max_len + j,
+    # and the arena row each reads: in_out = j < max_len (the positions to store); live = the position holds
+    # token i = j - out_offset[b] < kv_len[b] on a live page, whose arena row is `row` (meaningless where not
+    # live: every load through it is masked by live). Both gather kernels translate positions this way.
     b = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_out = j < max_len
@@ -120,8 +115,26 @@ def _mla_gather_kernel(
     ppage = tl.load(v2p_ptr + vpage, mask=live, other=0)  # masked before indexing the table
     live = live & (ppage > 0)  # tombstones and the sink read as zeros
     row = (ppage * layer_num + layer) * page_size + (i - col * page_size)
+    return b * max_len + j, in_out, live, row
+
+
+@triton.jit
+def _mla_gather_kernel(
+    out_ptr,  # [B, max_len, R + DR] contiguous
+    src_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
+    v2p_ptr, pt_ptr, kv_len_ptr, off_ptr,
+    num_pages, max_len, P, pt_stride_b, pt_stride_p, len_stride, off_stride, layer, layer_num, page_size,
+    R: tl.constexpr, DR: tl.constexpr, R_P2: tl.constexpr, DR_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, VEC: tl.constexpr,
+):
+    # Tiling: program (n, b) owns OUTPUT positions [n*BLOCK_N, (n+1)*BLOCK_N) of row b, whole rows, as a
+    # [BLOCK_N, R_P2] and a [BLOCK_N, DR_P2] tile. Iterating over output positions writes every position
+    # exactly once (zeros included), so the result needs no separate fill and nothing past max_len is touched.
+    out_row, in_out, live, row = _history_rows(v2p_ptr, pt_ptr, kv_len_ptr, off_ptr, num_pages, max_len, P,
+                                               pt_stride_b, pt_stride_p, len_stride, off_stride, layer, layer_num,
+                                               page_size, BLOCK_N)
     src = tl.multiple_of(row * (R + DR), VEC)  # rows are 16-byte aligned
-    dst = (b * max_len + j) * (R + DR)
+    dst = out_row * (R + DR)
 
     cols = tl.arange(0, R_P2)
     x = tl.load(src_ptr + src[:, None] + cols[None, :], mask=live[:, None] & (cols < R)[None, :], other=0.0)
@@ -144,22 +157,11 @@ def _mla_gather_fp8_kernel(
     # _mla_gather_kernel's tiling over output positions, on scaled fp8 rows (MLARowFormat): the codes'
     # [BLOCK_N, R_P2] tile decoded to fp32 and seen as [BLOCK_N, R_P2 / TILE, TILE] against the row's
     # scales, the product rounded once to bf16. Dead positions load code 0 and scale 0: they store zeros.
-    b = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_out = j < max_len
-    n = tl.load(kv_len_ptr + b * len_stride).to(tl.int64)
-    i = j - tl.load(off_ptr + b * off_stride).to(tl.int64)
-    live = in_out & (i >= 0) & (i < n)
-    i = tl.where(live, i, 0)
-    col = i // page_size
-    live = live & (col < P)
-    vpage = tl.load(pt_ptr + b * pt_stride_b + col * pt_stride_p, mask=live, other=-1).to(tl.int64)
-    live = live & (vpage >= 0) & (vpage < num_pages)
-    ppage = tl.load(v2p_ptr + vpage, mask=live, other=0)  # masked before indexing the table
-    live = live & (ppage > 0)  # tombstones and the sink read as zeros
-    row = (ppage * layer_num + layer) * page_size + (i - col * page_size)
+    out_row, in_out, live, row = _history_rows(v2p_ptr, pt_ptr, kv_len_ptr, off_ptr, num_pages, max_len, P,
+                                               pt_stride_b, pt_stride_p, len_stride, off_stride, layer, layer_num,
+                                               page_size, BLOCK_N)
     base = tl.multiple_of(row * ROW_BYTES, 16)  # rows are padded to 16 bytes
-    dst = (b * max_len + j) * (R + DR)
+    dst = out_row * (R + DR)
 
     cols = tl.arange(0, R_P2)
     codes = tl.load(code_ptr + base[:, None] + cols[None, :], mask=live[:, None] & (cols < R)[None, :], other=0)
