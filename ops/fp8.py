@@ -120,7 +120,11 @@ def tile_scales(x: torch.Tensor, fmt: MLARowFormat) -> torch.Tensor:
     (NaN-propagating, as the kernel's)."""
     t, r = x.shape
     tiles = torch.nn.functional.pad(x.to(torch.float32), (0, fmt.num_scales * FP8_TILE - r))
-    return tiles.view(t, fmt.num_scales, FP8_TILE).abs().amax(-1) / fmt.fp8_max
+    # divided by a tensor on x's device: torch's CUDA division by a Python (CPU) scalar multiplies by its
+    # reciprocal (aten's div_true_kernel_cuda: "may lose one bit"), 1/448 and 1/240 are inexact, and the
+    # kernels' scale is the IEEE quotient (tl.math.div_rn), as the CPU's division is
+    amax = tiles.view(t, fmt.num_scales, FP8_TILE).abs().amax(-1)
+    return amax / torch.tensor(fmt.fp8_max, dtype=torch.float32, device=x.device)
 
 
 def quantize_rows(kv_nope: torch.Tensor, k_rope: torch.Tensor, fmt: MLARowFormat) -> torch.Tensor:
