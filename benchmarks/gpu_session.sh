@@ -6,7 +6,7 @@
 #   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's;
 #    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512")
-#   steps: gpu_tests bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
@@ -52,11 +52,24 @@ run_step() {  # run_step NAME SECONDS COMMAND...
   echo "=== $name rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 }
 
+# failures print their tracebacks at the end of a run: a per-test limit (pytest-timeout) lets a slow or hung
+# test fail alone instead of the step's limit killing the run before its summary
+PYTEST="python3 -P -m pytest -q -p no:cacheprovider -rfEs --tb=short"
+python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-200}"
+
 for s in "$@"; do
   case "$s" in
     # fp8_tests and fp8_decode_tests run the fp8 GPU tests in slots of their own
-    gpu_tests) run_step gpu_tests 400 python3 -P -m pytest -q -p no:cacheprovider -rs ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py --ignore=tests/gpu/test_mla_decode_fp8_gpu.py}
-               run_step poison_cuda 45 python3 -P -m pytest -q -p no:cacheprovider -rs tests/reliability/test_poison.py -k cuda ;;
+    gpu_tests) run_step gpu_tests 400 $PYTEST ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py --ignore=tests/gpu/test_mla_decode_fp8_gpu.py}
+               run_step poison_cuda 45 $PYTEST tests/reliability/test_poison.py -k cuda ;;
+    # the same files in three slots that each fit a fresh machine's cold compiles (ninth session's timings:
+    # kernels ~80 s, models ~330 s, engine ~190 s)
+    gpu_tests_kernels) run_step gpu_tests_kernels 150 $PYTEST tests/gpu/test_mla_decode_gpu.py tests/gpu/test_mla_prefill_gpu.py \
+                         tests/gpu/test_mla_write_gpu.py tests/gpu/test_state_gpu.py tests/gpu/test_staging_gpu.py
+                       run_step poison_cuda 45 $PYTEST tests/reliability/test_poison.py -k cuda ;;
+    gpu_tests_models) run_step gpu_tests_models 420 $PYTEST tests/gpu/test_generate_gpu.py tests/gpu/test_runner_gpu.py \
+                        tests/gpu/test_sampling_gpu.py tests/gpu/test_passes_gpu.py tests/gpu/test_state_passes_gpu.py ;;
+    gpu_tests_engine) run_step gpu_tests_engine 240 $PYTEST tests/gpu/test_engine_gpu.py ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
@@ -84,8 +97,8 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
-    fp8_decode_tests) run_step fp8_decode_tests 150 python3 -P -m pytest -q -p no:cacheprovider -rs tests/gpu/test_mla_decode_fp8_gpu.py ;;
-    fp8_tests) run_step fp8_tests 300 python3 -P -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_fp8_gpu.py ;;
+    fp8_decode_tests) run_step fp8_decode_tests 150 $PYTEST tests/gpu/test_mla_decode_fp8_gpu.py ;;
+    fp8_tests) run_step fp8_tests 300 $PYTEST -s tests/gpu/test_fp8_gpu.py ;;
     bench_mla_write_fp8) run_step bench_mla_write_fp8 90 python3 -P benchmarks/bench_mla_write.py --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;
     # fp8 and bf16 side by side per point; --quick: the issue's points (batch >= 64, context >= 16k) and two short ones
     bench_mla_decode_fp8) run_step bench_mla_decode_fp8 200 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 ${FP8_DECODE_GRID:---quick} --out "$OUT/json/" ;;
