@@ -30,16 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_tensor,
-                     declare_slot_footprint)
-from .state import (
-    check_slot_ids,
-    gather_sections,
-    scatter_sections,
-    state_gather_triton,
-    state_scatter_triton,
-    typed_arena,
-)
+from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_slot_ids,
+                     check_tensor, declare_slot_footprint, typed_arena)
+from .state import gather_sections, scatter_sections, state_gather_triton, state_scatter_triton
 
 __all__ = [
     "kda_decode",
