@@ -17,13 +17,31 @@ becomes one op that reads the state once and leaves the new state in the slot::
     o = unimem.kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], arena, s_v2p, slot_ids, off, pitch,
                           scale, use_qk_l2norm=True).unsqueeze(1)
 
-The math (KDA, arXiv 2510.26692) is in :mod:`unimem_compile.ops.kda`. The L2 norm is recognised in its
-transformers / flash-linear-attention spelling ``x / sqrt(sum(x * x, -1) + 1e-6)``; it must be applied to
-both q and k or to neither. Matching uses structure and the fake values' shapes and dtypes, never node
-names or positions; a candidate that differs anywhere is left alone and the reason is logged. Refused: a
-recurrence over more than one token (prefill), a state read or written elsewhere, a write-back to other
-slots or another offset, another op touching the same slot bytes between the read and the write-back,
-an L2 norm with another epsilon or on only one of q and k, a scaled k.
+The math (KDA, arXiv 2510.26692) is in :mod:`unimem_compile.ops.kda`, and so are the search functions:
+the plain math is matched as the op's own references, traced (:class:`~.pattern.Pattern`, which generates
+the spellings: ``x[..., None]`` or ``x.unsqueeze(-1)``, ``exp`` before or after adding the axis, a function
+or a method, operands in either order):
+
+- :data:`STEP` = :func:`~unimem_compile.ops.kda.kda_state_step` (decay, delta, update; one token's
+  ``[B, H, *]`` values), matched backward from the state the ``state_scatter`` writes back;
+- :data:`OUTPUT` = :func:`~unimem_compile.ops.kda.kda_step_output` (``(S * q[..., None]).sum(-2)``), from
+  the other reader of that state;
+- :data:`L2NORM` = :func:`~unimem_compile.ops.kda.l2norm_reference` (``x / sqrt(sum(x * x, -1) + 1e-6)``,
+  transformers' and flash-linear-attention's spelling), optional on q and k, but on both or neither.
+
+What stays hand-written, because a search function cannot say it: which ``state_scatter`` is the
+write-back (the later scatter of the same slots and offset whose value is one STEP of the gathered state:
+a question about slots, bytes and graph order); that each per-token input is token 0 of a ``[B, 1, ...]``
+tensor (``x[:, 0]``, ``x[:, -1]``, ``x.select(1, 0)``: equal only because that axis has size 1); the
+optional pieces around the math (no-op casts, exact fp32 upcasts, a constant scale on q); the store of the
+output into token 0 of a zero buffer (an in-place ``setitem`` whose readers must all come after it); and
+that no other op touches the same slot bytes in between (:func:`~.state_common.first_conflict`).
+
+Matching uses structure and the fake values' shapes and dtypes, never node names or positions; a
+candidate that differs anywhere is left alone and the reason is logged. Refused: a recurrence over more
+than one token (prefill), a state read or written elsewhere, a write-back to other slots or another
+offset, another op touching the same slot bytes between the read and the write-back, an L2 norm with
+another epsilon or on only one of q and k, a scaled k.
 """
 
 from __future__ import annotations

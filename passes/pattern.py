@@ -155,8 +155,8 @@ class Pattern:
             inner, source = p.args[0], _unsqueeze_of(t)[0]
             if op_name(source) != name:
                 state.fail(f"expected {_what(p)}, found {describe(t)}")
-            self._check_unsqueeze_dim(inner, t, state)
             self._node_value(_argument(inner, "input"), source.args[0], state)
+            self._check_unsqueeze_dim(inner, t, state)
             state.nodes.append(source)
         elif name == "pow" and _argument(p, "exponent") == 2 and op_name(t) == "mul":
             if len(t.args) != 2 or t.args[0] is not t.args[1] or t.kwargs:
@@ -206,14 +206,15 @@ class Pattern:
         if found is None and op_name(source) in _UNARY and op_name(t) == op_name(source) \
                 and _unsqueeze_of(t.args[0]) is not None:
             # the search function's op(x).unsqueeze(d) at the graph's op(x.unsqueeze(d))
-            self._check_unsqueeze_dim(p, t.args[0], state)
             self._node_value(_argument(source, "input"), _unsqueeze_of(t.args[0])[0], state)
+            self._check_unsqueeze_dim(p, t.args[0], state)
             state.nodes.append(t.args[0])
             return
         if found is None:
             state.fail(f"expected {_what(p)}, found {describe(t)}")
-        self._check_unsqueeze_dim(p, t, state)
+        # the operand first, then the axis (as a reduction's dim): the deepest reason is the one reported
         self._node_value(source, found[0], state)
+        self._check_unsqueeze_dim(p, t, state)
 
     @staticmethod
     def _check_unsqueeze_dim(p: Node, t: Node, state: _State) -> None:
