@@ -69,7 +69,7 @@ from .common import (
     tensor_value,
 )
 from .pattern import Pattern
-from .state_common import first_conflict, is_noop_cast, state_access, strip_noops, strip_upcast, token0
+from .state_common import first_conflict, state_access, strip_noops, strip_upcast, token0
 
 __all__ = ["KDAStateInplace"]
 
