@@ -150,9 +150,9 @@ class Pattern:
             self._cast(p, t, state)
         elif name == "unsqueeze":
             self._unsqueeze(p, t, state)
-        elif name in _UNARY and op_name(p.args[0]) == "unsqueeze" and _unsqueeze_of(t) is not None:
+        elif name in _UNARY and op_name(_argument(p, "input")) == "unsqueeze" and _unsqueeze_of(t) is not None:
             # the search function's op(x.unsqueeze(d)) at the graph's op(x).unsqueeze(d)
-            inner, source = p.args[0], _unsqueeze_of(t)[0]
+            inner, source = _argument(p, "input"), _unsqueeze_of(t)[0]
             if op_name(source) != name:
                 state.fail(f"expected {_what(p)}, found {describe(t)}")
             self._node_value(_argument(inner, "input"), source.args[0], state)
