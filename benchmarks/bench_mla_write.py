@@ -40,6 +40,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from unimem_compile.ops import fp8  # noqa: E402
+from unimem_compile.ops.common import typed_rows  # noqa: E402
 from unimem_compile.options import kv_dtype_of  # noqa: E402
 from unimem_compile.pool import MLASpec, UnifiedPool  # noqa: E402
 
@@ -96,7 +97,7 @@ def make_pool(page_size: int, n_pages: int, gen: torch.Generator, kv: torch.dtyp
             rows[i: i + n] = fp8.quantize_rows(torch.randn(n, R, device="cuda"), torch.randn(n, DR, device="cuda"),
                                                spec.row_format)
     else:
-        rows = mw.typed_rows(pool.arena, BF16, D)
+        rows = typed_rows(pool.arena, BF16, D)
         rows[first:] = torch.randn(rows.shape[0] - first, D, device="cuda", dtype=BF16)
     return pool, [pages[i] for i in order]
 

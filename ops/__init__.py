@@ -3,7 +3,8 @@ reference + Triton kernel + checking launcher per op family. Import as ``unimem_
 top-level ``ops`` (each op would register twice).
 
 Modules: ``geometry`` (:class:`MLAGeometry`, the six-argument geometry tail of every MLA op), ``common``
-(launcher checks, the state ops' slot footprints), ``translate`` (id translation), ``fp8`` (the fp8 MLA
+(launcher checks, the state ops' slot footprints, the arena views and MLA row translation the op modules
+share), ``translate`` (id translation), ``fp8`` (the fp8 MLA
 row codec: Triton encode / decode helpers and the plain-torch quantise / dequantise), ``mla_write`` (fused
 latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (paged decode attention),
 ``mla_prefill`` (paged prefill attention, reached as ``unimem_compile.ops.mla_prefill``: its names are not

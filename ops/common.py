@@ -1,4 +1,10 @@
-"""What every op family shares: launcher input checks, UNIMEM_DEBUG id checks, and how ops are declared.
+"""What every op family shares: launcher input checks, UNIMEM_DEBUG id checks, views of the arena, the MLA
+row translation, and how ops are declared.
+
+The helpers more than one op module uses live here, never in one op's module (so no op module imports a
+sibling for a helper): the checks, the typed views of the uint8 arena (:func:`typed_arena` for the state
+ops, :func:`typed_rows` / :func:`arena_rows` for MLA rows) and :func:`latent_rows` (virtual token
+locations -> arena rows, the reference translation every MLA op's pure-torch path uses).
 
 How an op is declared (every module in this package follows it):
 
@@ -30,7 +36,9 @@ from typing import Any
 
 import torch
 
+from unimem_compile import env
 from unimem_compile.errors import GeometryError
+from unimem_compile.pool import translate as ref
 from unimem_compile.pool.specs import COMPUTE_DTYPES, KERNEL_KV_DTYPES
 
 from .geometry import MLAGeometry
@@ -51,6 +59,12 @@ __all__ = [
     "check_live_locations",
     "check_live_page_table",
     "check_live_slots",
+    "check_slot_ids",
+    "check_kernel_device",
+    "typed_arena",
+    "typed_rows",
+    "arena_rows",
+    "latent_rows",
 ]
 
 #: The float inputs the linear-attention ops take: :data:`COMPUTE_DTYPES`, widest first in their messages.
@@ -298,3 +312,74 @@ def check_live_slots(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor) -> No
         raise GeometryError(
             f"{op}: {int(bad.sum())} slot ids are not live: " + ", ".join(f"lane {i}: slot {int(flat[i])}" for i in idx)
         )
+
+
+def check_slot_ids(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor, batch: int | None = None) -> None:
+    """``slot_ids`` must be int64 ``[B]`` (``B = batch`` when given; ValueError otherwise). Under
+    ``UNIMEM_DEBUG=1`` also every id >= 0 must be live (GeometryError listing the offenders) and the live ids
+    distinct (ValueError listing the repeated ids)."""
+    check_tensor(op, "slot_ids", slot_ids, dtype=torch.int64, dim=1)
+    if batch is not None and slot_ids.shape[0] != batch:
+        raise ValueError(f"{op}: slot_ids has {slot_ids.shape[0]} lanes but the inputs have batch {batch}")
+    if env.debug():
+        check_live_slots(op, s_v2p, slot_ids)
+        live = slot_ids[slot_ids >= 0]
+        uniq, counts = torch.unique(live, return_counts=True)
+        if bool((counts > 1).any()):
+            dup = uniq[counts > 1][:8].tolist()
+            raise ValueError(f"{op}: slot ids {dup} appear in more than one lane; lanes writing one slot race")
+
+
+def check_kernel_device(op: str, device: torch.device) -> None:
+    """A Triton launcher runs CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; ValueError naming the
+    device otherwise."""
+    if device.type != "cuda" and not env.triton_interpret():
+        raise ValueError(f"{op}: the Triton launcher needs CUDA tensors or TRITON_INTERPRET=1, got {device}")
+
+
+# ---------------------------------------------------------------------------- views of the arena
+def typed_arena(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uint8 arena seen as ``dtype`` elements (a view at the same address; a trailing partial element is
+    left out). Kernels take this view, so every offset is in elements and its 16-byte alignment is visible
+    to Triton's vectorisation."""
+    isz = torch.empty((), dtype=dtype).element_size()
+    return arena[: arena.numel() // isz * isz].view(dtype)
+
+
+def typed_rows(arena: torch.Tensor, kv_dtype: torch.dtype, row_width: int) -> torch.Tensor:
+    """The arena as ``[n_rows, row_width]`` rows of ``kv_dtype`` counted from byte 0 (a view, no copy;
+    trailing bytes that do not fill a row are left out)."""
+    row_bytes = row_width * torch.empty((), dtype=kv_dtype).element_size()
+    n = arena.numel() // row_bytes
+    return arena[: n * row_bytes].view(kv_dtype).view(n, row_width)
+
+
+def arena_rows(arena: torch.Tensor, g: MLAGeometry) -> torch.Tensor:
+    """The arena as the geometry's rows counted from byte 0 (a view): ``[n_rows, R + Dr]`` of ``kv_dtype``,
+    or ``[n_rows, row_bytes]`` uint8 for fp8 rows."""
+    if not g.quantized:
+        return typed_rows(arena, g.kv_dtype, g.row_width)
+    n = arena.numel() // g.row_bytes
+    return arena[: n * g.row_bytes].view(n, g.row_bytes)
+
+
+def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int, page_size: int):
+    """Arena row ids of virtual token locations in one MLA layer, with the lanes that hold a row.
+
+    Args:
+        v2p: int64 ``[num_pages]``.
+        loc: int64, any shape: virtual token locations (< 0 = none).
+
+    Returns:
+        ``(rows, live)``: int64 and bool of ``loc``'s shape; ``rows`` is
+        ``translate_kv_loc_dense(v2p, loc, ps, L) + layer * ps`` where ``live`` and 0 elsewhere. ``live``
+        is False for negative locations, virtual pages past ``v2p`` and physical pages <= 0 (tombstones and
+        the sink: a location on virtual page 0 maps into the sink and must be masked, not just one whose
+        dense id is 0).
+    """
+    in_table = torch.div(loc, page_size, rounding_mode="floor") < v2p.numel()
+    loc = torch.where(in_table, loc, -1)
+    phys = ref.translate_kv_loc(v2p, loc, page_size)
+    live = phys >= page_size  # physical page >= 1
+    dense = ref.translate_kv_loc_dense(v2p, loc, page_size, layer_num) + layer * page_size
+    return torch.where(live, dense, 0), live

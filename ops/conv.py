@@ -19,8 +19,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FLOAT_INPUT_DTYPES, check_same_device, check_slot_geometry, check_tensor, declare_slot_footprint
-from .state import check_slot_ids, gather_sections, scatter_sections, typed_arena
+from .common import (FLOAT_INPUT_DTYPES, check_same_device, check_slot_geometry, check_slot_ids, check_tensor,
+                     declare_slot_footprint, typed_arena)
+from .state import gather_sections, scatter_sections
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_update_triton", "causal_conv1d_step", "ACTIVATIONS"]
 

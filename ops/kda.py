@@ -30,16 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_tensor,
-                     declare_slot_footprint)
-from .state import (
-    check_slot_ids,
-    gather_sections,
-    scatter_sections,
-    state_gather_triton,
-    state_scatter_triton,
-    typed_arena,
-)
+from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_slot_ids,
+                     check_tensor, declare_slot_footprint, typed_arena)
+from .state import gather_sections, scatter_sections, state_gather_triton, state_scatter_triton
 
 __all__ = [
     "kda_decode",
@@ -49,20 +42,47 @@ __all__ = [
     "kda_recurrent",
     "kda_chunked",
     "fla_chunk_kda",
+    "l2norm_reference",
+    "kda_state_step",
+    "kda_step_output",
 ]
 
 L2NORM_EPS = 1e-6
 
 
 # ---------------------------------------------------------------------------- pure-torch references
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+# The three step functions below are also the search functions of the ``kda_state_inplace`` rewrite
+# (passes/kda_state_inplace.py traces them): a change here changes what the rewrite matches.
+def l2norm_reference(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x * x, -1) + 1e-6)`` over the last axis (any shape, x's dtype; transformers' and
+    flash-linear-attention's ``l2norm``: the epsilon is added, not a lower bound as in ``F.normalize``)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def kda_state_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule on the state (the module docstring's decay, delta and update).
+
+    Args:
+        state: ``[B, H, K, V]``. k, g: ``[B, H, K]`` (g the log-decay). v: ``[B, H, V]``. beta: ``[B, H]``.
+
+    Returns:
+        the new state, ``[B, H, K, V]`` (a fresh tensor; the inputs are not modified).
+    """
+    state = state * g.exp().unsqueeze(-1)
+    delta = (v - (state * k.unsqueeze(-1)).sum(-2)) * beta.unsqueeze(-1)
+    return state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def kda_step_output(state: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``o = q^T S`` per head: ``state [B, H, K, V]`` (the new state), ``q [B, H, K]`` -> ``[B, H, V]``."""
+    return (state * q.unsqueeze(-1)).sum(-2)
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm_reference(q), l2norm_reference(k)
     return q * scale, k, v, g, beta
 
 
@@ -81,10 +101,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     s = state.float().clone()
     out = []
     for t in range(q.shape[1]):
-        s = s * gf[:, t].exp().unsqueeze(-1)
-        delta = (vf[:, t] - (s * kf[:, t].unsqueeze(-1)).sum(-2)) * bf[:, t].unsqueeze(-1)
-        s = s + kf[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        out.append((s * qf[:, t].unsqueeze(-1)).sum(-2))
+        s = kda_state_step(s, kf[:, t], vf[:, t], gf[:, t], bf[:, t])
+        out.append(kda_step_output(s, qf[:, t]))
     o = torch.stack(out, 1) if out else vf.new_empty(vf.shape)
     return o.to(q.dtype), s
 

@@ -27,9 +27,9 @@ from unimem_compile.errors import GeometryError
 from unimem_compile.pool.specs import FP8_TILE
 
 from . import fp8
-from .common import check_live_page_table, check_mla_geometry, check_same_device, check_tensor
+from .common import (arena_rows, check_kernel_device, check_live_page_table, check_mla_geometry, check_same_device,
+                     check_tensor, latent_rows, typed_rows)
 from .geometry import MLAGeometry
-from .mla_write import arena_rows, check_kernel_device, latent_rows, typed_rows
 
 # The op object is reached as ``torch.ops.unimem.mla_gather`` or ``unimem_compile.ops.mla_gather.mla_gather``:
 # exporting it by name would shadow this module in the package namespace (``ops.mla_gather`` would become

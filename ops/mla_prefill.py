@@ -68,10 +68,9 @@ from unimem_compile import env
 from unimem_compile.errors import GeometryError
 
 from . import fp8
-from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
-                     check_tensor)
+from .common import (COMPUTE_DTYPES, arena_rows, check_kernel_device, check_knob, check_live_page_table,
+                     check_mla_geometry, check_same_device, check_tensor, latent_rows, typed_rows)
 from .geometry import MLAGeometry
-from .mla_write import arena_rows, check_kernel_device, latent_rows, typed_rows
 
 # The op object is ``torch.ops.unimem.mla_prefill`` (or ``unimem_compile.ops.mla_prefill.mla_prefill``):
 # exporting it from the package would shadow this module.

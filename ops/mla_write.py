@@ -27,17 +27,20 @@ import triton.language as tl
 
 from unimem_compile import env
 from unimem_compile.errors import GeometryError
-from unimem_compile.pool import translate as ref
 from unimem_compile.pool.specs import FP8_TILE
 
 from . import fp8
 from .common import (
     COMPUTE_DTYPES,
+    arena_rows,
+    check_kernel_device,
     check_live_locations,
     check_mla_geometry,
     check_same_device,
     check_tensor,
+    latent_rows,
     overlaps_arena,
+    typed_rows,
 )
 from .geometry import MLAGeometry
 
@@ -51,51 +54,6 @@ __all__ = [
 ]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-# ---------------------------------------------------------------------------- shared helpers
-def typed_rows(arena: torch.Tensor, kv_dtype: torch.dtype, row_width: int) -> torch.Tensor:
-    """The arena as ``[n_rows, row_width]`` rows of ``kv_dtype`` counted from byte 0 (a view, no copy;
-    trailing bytes that do not fill a row are left out)."""
-    row_bytes = row_width * torch.empty((), dtype=kv_dtype).element_size()
-    n = arena.numel() // row_bytes
-    return arena[: n * row_bytes].view(kv_dtype).view(n, row_width)
-
-
-def arena_rows(arena: torch.Tensor, g: MLAGeometry) -> torch.Tensor:
-    """The arena as the geometry's rows counted from byte 0 (a view): ``[n_rows, R + Dr]`` of ``kv_dtype``,
-    or ``[n_rows, row_bytes]`` uint8 for fp8 rows."""
-    if not g.quantized:
-        return typed_rows(arena, g.kv_dtype, g.row_width)
-    n = arena.numel() // g.row_bytes
-    return arena[: n * g.row_bytes].view(n, g.row_bytes)
-
-
-def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int, page_size: int):
-    """Arena row ids of virtual token locations in one MLA layer, with the lanes that hold a row.
-
-    Args:
-        v2p: int64 ``[num_pages]``.
-        loc: int64, any shape: virtual token locations (< 0 = none).
-
-    Returns:
-        ``(rows, live)``: int64 and bool of ``loc``'s shape; ``rows`` is
-        ``translate_kv_loc_dense(v2p, loc, ps, L) + layer * ps`` where ``live`` and 0 elsewhere. ``live``
-        is False for negative locations, virtual pages past ``v2p`` and physical pages <= 0 (tombstones and
-        the sink: a location on virtual page 0 maps into the sink and must be masked, not just one whose
-        dense id is 0).
-    """
-    in_table = torch.div(loc, page_size, rounding_mode="floor") < v2p.numel()
-    loc = torch.where(in_table, loc, -1)
-    phys = ref.translate_kv_loc(v2p, loc, page_size)
-    live = phys >= page_size  # physical page >= 1
-    dense = ref.translate_kv_loc_dense(v2p, loc, page_size, layer_num) + layer * page_size
-    return torch.where(live, dense, 0), live
-
-
-def check_kernel_device(op: str, device: torch.device) -> None:
-    if device.type != "cuda" and not env.triton_interpret():
-        raise ValueError(f"{op}: the Triton launcher needs CUDA tensors or TRITON_INTERPRET=1, got {device}")
 
 
 def _check_write(op, arena, v2p, virt_loc, kv_nope, k_rope, norm_weight, eps, g: MLAGeometry) -> None:

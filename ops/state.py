@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from unimem_compile import env
-
-from .common import check_live_slots, check_same_device, check_slot_geometry, check_tensor, declare_slot_footprint
+from .common import (check_same_device, check_slot_geometry, check_slot_ids, check_tensor, declare_slot_footprint,
+                     typed_arena)
 
 __all__ = [
     "state_gather",
@@ -35,25 +34,7 @@ __all__ = [
     "gather_sections",
     "scatter_sections",
     "live_lanes",
-    "typed_arena",
-    "check_slot_ids",
 ]
-
-
-# ---------------------------------------------------------------------------- shared checks
-def check_slot_ids(op: str, s_v2p: torch.Tensor, slot_ids: torch.Tensor, batch: int | None = None) -> None:
-    """``slot_ids`` must be int64 ``[B]`` (``B = batch`` when given). Under ``UNIMEM_DEBUG=1`` also every id
-    >= 0 must be live and the live ids distinct (GeometryError listing the offenders)."""
-    check_tensor(op, "slot_ids", slot_ids, dtype=torch.int64, dim=1)
-    if batch is not None and slot_ids.shape[0] != batch:
-        raise ValueError(f"{op}: slot_ids has {slot_ids.shape[0]} lanes but the inputs have batch {batch}")
-    if env.debug():
-        check_live_slots(op, s_v2p, slot_ids)
-        live = slot_ids[slot_ids >= 0]
-        uniq, counts = torch.unique(live, return_counts=True)
-        if bool((counts > 1).any()):
-            dup = uniq[counts > 1][:8].tolist()
-            raise ValueError(f"{op}: slot ids {dup} appear in more than one lane; lanes writing one slot race")
 
 
 def _section_bytes(op: str, shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -111,14 +92,6 @@ def scatter_sections(arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.T
 
 
 # ---------------------------------------------------------------------------- Triton kernel
-def typed_arena(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The uint8 arena seen as ``dtype`` elements (a view at the same address; a trailing partial element is
-    left out). Kernels take this view, so every offset is in elements and its 16-byte alignment is visible
-    to Triton's vectorisation."""
-    isz = torch.empty((), dtype=dtype).element_size()
-    return arena[: arena.numel() // isz * isz].view(dtype)
-
-
 @triton.jit
 def _section_copy_kernel(words_ptr, s_v2p_ptr, slot_ptr, buf_ptr, num_slots, slot_words, offset_words, n_words,
                          ALIGN_WORDS: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr):

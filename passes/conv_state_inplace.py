@@ -20,6 +20,18 @@ values' shapes and dtypes, never node names or positions; a candidate that diffe
 alone (the graph stays correct) and the reason is logged. Refused: the gathered state has another reader
 or writer, the write-back goes elsewhere, another op touches the same slot bytes between the read and
 the write-back, the conv is not the depthwise valid one over exactly the K + 1 columns.
+
+Why this one stays a hand matcher (unlike ``mla_write_fusion`` and ``kda_state_inplace``, whose plain
+math is a search function of :mod:`.pattern`): almost nothing here is arithmetic that a traced function
+pins down. The window shift is an in-place ``state.copy_(new[:, :, -K:])`` on a side branch of the
+output's computation, and whether a slice keeps "the last K of the K + 1 columns" depends on the shapes
+(transformers writes ``-state_len:``, Dynamo records the literal; ``[..., 1:]`` is the same window); the
+conv is right only as the depthwise one (``groups`` equal to the channel count, weight ``[C, 1, K]``,
+stride / padding / dilation each spelled as an int or a one-element list); the concatenation takes a list;
+the activation and the final cast are optional. A search function would need Pattern support for list
+arguments, in-place anchors, shape-dependent slices and optional operations, plus one search function per
+activation, and the shape checks would remain beside it: more code for the same coverage. The matcher
+below checks each of these on the fake values directly.
 """
 
 from __future__ import annotations

@@ -17,17 +17,36 @@ becomes one op that reads the state once and leaves the new state in the slot::
     o = unimem.kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], arena, s_v2p, slot_ids, off, pitch,
                           scale, use_qk_l2norm=True).unsqueeze(1)
 
-The math (KDA, arXiv 2510.26692) is in :mod:`unimem_compile.ops.kda`. The L2 norm is recognised in its
-transformers / flash-linear-attention spelling ``x / sqrt(sum(x * x, -1) + 1e-6)``; it must be applied to
-both q and k or to neither. Matching uses structure and the fake values' shapes and dtypes, never node
-names or positions; a candidate that differs anywhere is left alone and the reason is logged. Refused: a
-recurrence over more than one token (prefill), a state read or written elsewhere, a write-back to other
-slots or another offset, another op touching the same slot bytes between the read and the write-back,
-an L2 norm with another epsilon or on only one of q and k, a scaled k.
+The math (KDA, arXiv 2510.26692) is in :mod:`unimem_compile.ops.kda`, and so are the search functions:
+the plain math is matched as the op's own references, traced (:class:`~.pattern.Pattern`, which generates
+the spellings: ``x[..., None]`` or ``x.unsqueeze(-1)``, ``exp`` before or after adding the axis, a function
+or a method, operands in either order):
+
+- :data:`STEP` = :func:`~unimem_compile.ops.kda.kda_state_step` (decay, delta, update; one token's
+  ``[B, H, *]`` values), matched backward from the state the ``state_scatter`` writes back;
+- :data:`OUTPUT` = :func:`~unimem_compile.ops.kda.kda_step_output` (``(S * q[..., None]).sum(-2)``), from
+  the other reader of that state;
+- :data:`L2NORM` = :func:`~unimem_compile.ops.kda.l2norm_reference` (``x / sqrt(sum(x * x, -1) + 1e-6)``,
+  transformers' and flash-linear-attention's spelling), optional on q and k, but on both or neither.
+
+What stays hand-written, because a search function cannot say it: which ``state_scatter`` is the
+write-back (the later scatter of the same slots and offset whose value is one STEP of the gathered state:
+a question about slots, bytes and graph order); that each per-token input is token 0 of a ``[B, 1, ...]``
+tensor (``x[:, 0]``, ``x[:, -1]``, ``x.select(1, 0)``: equal only because that axis has size 1); the
+optional pieces around the math (no-op casts, exact fp32 upcasts, a constant scale on q); the store of the
+output into token 0 of a zero buffer (an in-place ``setitem`` whose readers must all come after it); and
+that no other op touches the same slot bytes in between (:func:`~.state_common.first_conflict`).
+
+Matching uses structure and the fake values' shapes and dtypes, never node names or positions; a
+candidate that differs anywhere is left alone and the reason is logged. Refused: a recurrence over more
+than one token (prefill), a state read or written elsewhere, a write-back to other slots or another
+offset, another op touching the same slot bytes between the read and the write-back, an L2 norm with
+another epsilon or on only one of q and k, a scaled k.
 """
 
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import torch
@@ -35,12 +54,12 @@ from torch.fx import Graph, Node
 
 from unimem_compile import ops  # noqa: F401  (registers torch.ops.unimem.*)
 from unimem_compile.ops.common import COMPUTE_DTYPES
+from unimem_compile.ops.kda import kda_state_step, kda_step_output, l2norm_reference
 
-from . import state_common
+from . import pattern, state_common
 from .common import (
     Refused,
     Rewrite,
-    argument,
     check_closed,
     erase_matched,
     insert_call,
@@ -49,12 +68,16 @@ from .common import (
     op_name,
     tensor_value,
 )
-from .state_common import first_conflict, is_noop_cast, state_access, strip_noops, strip_upcast, token0, unsqueezed
+from .pattern import Pattern
+from .state_common import first_conflict, state_access, strip_noops, strip_upcast, token0
 
 __all__ = ["KDAStateInplace"]
 
-#: the epsilon of ``unimem::kda_decode``'s L2 norm (and of transformers' and fla's)
-L2NORM_EPS = 1e-6
+#: The search functions are the op's own references (``unimem_compile.ops.kda``), traced; the matcher
+#: generates the spellings Dynamo may record for them (passes/pattern.py).
+STEP = Pattern(kda_state_step, name="KDA step")
+OUTPUT = Pattern(kda_step_output, name="KDA output")
+L2NORM = Pattern(l2norm_reference, name="L2 norm")
 
 
 def _operands(node, name: str) -> tuple | None:
@@ -64,14 +87,6 @@ def _operands(node, name: str) -> tuple | None:
     return node.args
 
 
-def _other(node, name: str, known) -> object:
-    """The operand of the commutative binary ``name`` node that is not ``known`` (Refused otherwise)."""
-    ops_ = _operands(node, name)
-    if ops_ is None or known not in ops_:
-        raise Refused(f"{op_name(node)} where {name} of the state was expected")
-    return ops_[1] if ops_[0] is known else ops_[0]
-
-
 def _sole_user(node: Node, name: str) -> Node:
     users = list(node.users)
     if len(users) != 1 or op_name(users[0]) != name:
@@ -79,38 +94,13 @@ def _sole_user(node: Node, name: str) -> Node:
     return users[0]
 
 
-def _reduces_axis(node: Node, axis: int) -> bool:
-    """``node`` sums over axis ``axis`` (negative) without keeping it."""
-    if op_name(node) != "sum":
-        return False
-    dim = argument(node, 1, "dim", None)
-    dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    ndim = tensor_value(node.args[0]).dim()
-    return (len(dims) == 1 and isinstance(dims[0], int) and dims[0] % ndim == axis % ndim
-            and not argument(node, 2, "keepdim", False))
-
-
 def _l2normalized(node) -> tuple[Node, list[Node]] | None:
-    """``(x, nodes)`` when ``node`` is ``x / sqrt(sum(x * x, -1, keepdim=True) + 1e-6)``, else None."""
-    ops_ = _operands(node, "div")
-    if ops_ is None:
+    """``(x, nodes)`` when ``node`` is :data:`L2NORM` of ``x``, else None."""
+    try:
+        found = L2NORM.match(node)
+    except Refused:
         return None
-    x, root = ops_
-    if op_name(root) != "sqrt":
-        return None
-    add = root.args[0]
-    terms = _operands(add, "add")
-    if terms is None:
-        return None
-    total, eps = terms if isinstance(terms[0], Node) else terms[::-1]
-    if not isinstance(eps, numbers.Real) or abs(eps - L2NORM_EPS) > 1e-12 or op_name(total) != "sum":
-        return None
-    square = total.args[0]
-    if argument(total, 1, "dim", None) not in (-1, [-1], (-1,)) or not argument(total, 2, "keepdim", False):
-        return None
-    if _operands(square, "mul") != (x, x):
-        return None
-    return x, [node, root, add, total, square]
+    return found.bindings["x"], found.nodes
 
 
 def _query_side(node) -> tuple[Node | None, float, bool, list[Node]]:
@@ -135,11 +125,39 @@ def _query_side(node) -> tuple[Node | None, float, bool, list[Node]]:
     return strip_upcast(node, nodes), scale, normed is not None, nodes
 
 
+def _step_written_back(access, gather: Node, s0: Node) -> tuple[Node, list[Node], pattern.PatternMatch]:
+    """The ``state_scatter`` that writes one :data:`STEP` of the gathered state ``s0`` back to the section
+    ``access`` reads, with the value-preserving copies between the step and it, and the step's match.
+
+    Candidates are the later scatters of the same slots and offset, in graph order (another write of the
+    same bytes may come first: :func:`first_conflict` then names it)."""
+    writes = [u for u in access.arena.users if is_op(u, torch.ops.unimem.state_scatter) and u > gather]
+    writes = [w for w in writes if (a := state_access(w)) is not None and a.same_slots(access)
+              and a.offset == access.offset]
+    if not writes:
+        raise Refused("the new state is not written back by state_scatter to the same slots and offset")
+    reason = None
+    for scatter in writes:
+        copies = []
+        s2 = strip_noops(op_arguments(scatter)["value"], skipped=copies)
+        try:
+            step = STEP.match(s2)
+        except Refused as why:
+            reason = reason or str(why)
+            continue
+        if step.bindings["state"] is s0:
+            return scatter, copies, step
+        reason = ("the state written back is not one step from the gathered state (a recurrence over more "
+                  "than a single token)")
+    raise Refused(reason)
+
+
 class KDAStateInplace(Rewrite):
     """The ``kda_state_inplace`` rewrite (docs/passes.md); sites are ``[B, H, K, V]`` fp32 state gathers."""
 
     name = "kda_state_inplace"
-    extra_sources = (state_common.__file__,)  # the state-op helpers it matches with
+    # the state-op helpers and the pattern matcher it matches with, and its search functions
+    extra_sources = (state_common.__file__, pattern.__file__, inspect.getsourcefile(kda_state_step))
 
     def sites(self, graph: Graph) -> list[Node]:
         return [n for n in graph.nodes if is_op(n, torch.ops.unimem.state_gather) and tensor_value(n) is not None
@@ -151,84 +169,36 @@ class KDAStateInplace(Rewrite):
             raise Refused("slot offset or pitch is not a constant")
         batch, heads, dk, dv = tensor_value(gather).shape
         state = [gather]  # nodes carrying the state: all must go
-        inputs = []  # nodes on the q / k / v / g / beta side: erased only if nothing else reads them
-
-        # decay: S1 = S0 * exp(g[:, 0][..., None])
         s0 = strip_noops(gather, forward=True, skipped=state)
         if len(s0.users) != 1 or op_name(next(iter(s0.users))) != "mul":
             raise Refused(f"the gathered state feeds {[op_name(u) for u in s0.users]}, not one decay multiply "
                           "(not a one-token recurrent step)")
-        s1 = next(iter(s0.users))
-        decay = _other(s1, "mul", s0)
-        if op_name(decay) == "exp":
-            g_tok = unsqueezed(decay.args[0], -1)
-            inputs += [decay, decay.args[0]]
-        else:
-            inner = unsqueezed(decay, -1)
-            g_tok = inner.args[0] if op_name(inner) == "exp" else None
-            inputs += [decay, inner]
-        g = token0(g_tok) if g_tok is not None else None
+
+        # the new state: STEP of s0, written back (through value-preserving copies) to the same section
+        scatter, copies, step = _step_written_back(access, gather, s0)
+        s2 = step.nodes[-1]
+        state += step.downstream_of("state") + copies[::-1] + [scatter]
+        inputs = [n for n in step.nodes if n not in state]  # the k / v / g / beta side: erased if unused
+        g = token0(step.bindings["g"])
         if g is None:
             raise Refused("the state is not decayed by exp(g) of the single token")
-        inputs.append(g_tok)
+        inputs.append(step.bindings["g"])
         g = strip_noops(g, skipped=inputs)
-        state.append(s1)
+        k_tok, v_tok, beta_tok = (step.bindings[name] for name in ("k", "v", "beta"))
 
-        # delta = (v - (S1 * k[..., None]).sum(-2)) * beta[..., None]
-        users = list(s1.users)
-        adds = [u for u in users if op_name(u) == "add"]
-        muls = [u for u in users if op_name(u) == "mul"]
-        if len(users) != 2 or len(adds) != 1 or len(muls) != 1:
-            raise Refused(f"the decayed state feeds {[op_name(u) for u in users]}, expected one mul and one add")
-        read, s2 = muls[0], adds[0]
-        k_unsq = _other(read, "mul", s1)
-        k_tok = unsqueezed(k_unsq, -1)
-        kv_mem = _sole_user(read, "sum")
-        if k_tok is None or not _reduces_axis(kv_mem, -2):
-            raise Refused("the state is not read as (S * k[..., None]).sum(-2)")
-        sub = _sole_user(kv_mem, "sub")
-        if sub.args[1] is not kv_mem:
-            raise Refused("the delta is not v - k^T S")
-        v_tok = sub.args[0]
-        delta = _sole_user(sub, "mul")
-        beta_unsq = _other(delta, "mul", sub)
-        beta_tok = unsqueezed(beta_unsq, -1)
-        inputs += [k_unsq, beta_unsq]
-        state += [read, kv_mem, sub, delta]
-
-        # S2 = S1 + k[..., None] * delta[..., None, :]
-        delta_unsq = next(iter(delta.users), None)
-        if len(delta.users) != 1 or unsqueezed(delta_unsq, -2) is not delta:
-            raise Refused("the delta is not unsqueezed for the outer product")
-        outer = _sole_user(delta_unsq, "mul")
-        k_unsq2 = _other(outer, "mul", delta_unsq)
-        if unsqueezed(k_unsq2, -1) is not k_tok or _other(s2, "add", s1) is not outer:
-            raise Refused("the state update is not S + k delta^T with the same k")
-        inputs.append(k_unsq2)
-        state += [delta_unsq, outer, s2]
-
-        # the output (S2 * q[..., None]).sum(-2), and S2 written back
-        users = list(s2.users)
-        muls = [u for u in users if op_name(u) == "mul"]
-        if len(users) != 2 or len(muls) != 1:
-            raise Refused(f"the new state feeds {[op_name(u) for u in users]}, expected one mul and its write-back")
-        read_q = muls[0]
-        last, scatter = s2, next(u for u in users if u is not read_q)
-        while is_noop_cast(scatter) and len(scatter.users) == 1:
-            state.append(scatter)
-            last, scatter = scatter, next(iter(scatter.users))
-        if not is_op(scatter, torch.ops.unimem.state_scatter) or op_arguments(scatter)["value"] is not last:
-            raise Refused("the new state is not written back by state_scatter")
-        written = state_access(scatter)
-        if written is None or not written.same_slots(access) or written.offset != access.offset:
-            raise Refused("the write-back goes to other slots or another offset")
-        state += [scatter, read_q]
-        q_unsq = _other(read_q, "mul", s2)
-        q_tok = unsqueezed(q_unsq, -1)
-        out = _sole_user(read_q, "sum")
-        if q_tok is None or not _reduces_axis(out, -2):
-            raise Refused("the output is not (S * q[..., None]).sum(-2)")
-        inputs.append(q_unsq)
+        # the output OUTPUT(s2, q), the other reader of the new state
+        last = op_arguments(scatter)["value"]
+        others = [u for u in s2.users if u is not (copies[-1] if copies else scatter)]
+        if len(others) != 1 or op_name(others[0]) != "mul":
+            raise Refused(f"the new state feeds {[op_name(u) for u in s2.users]}, expected one mul and its "
+                          "write-back")
+        out = _sole_user(others[0], "sum")
+        output = OUTPUT.match(out)
+        if output.bindings["state"] is not s2:
+            raise Refused("the output is not read from the state written back")
+        state += output.downstream_of("state")
+        q_tok = output.bindings["q"]
+        inputs += [n for n in output.nodes if n not in state]
 
         # ... stored into token 0 of a zero [B, 1, H, V] buffer that is read only afterwards
         store = _sole_user(out, "setitem")
@@ -241,13 +211,12 @@ class KDAStateInplace(Rewrite):
         readers = [u for u in buffer.users if u is not store]
         if not readers or any(r < store or str(op_name(r)).endswith("_") or op_name(r) == "setitem" for r in readers):
             raise Refused("the output buffer is written again or read before the output is stored")
-        state += [out, store, buffer]
+        state += [store, buffer]
 
         # the q / k / v / g / beta inputs, from before their fp32 upcasts (the op upcasts itself)
-        q, scale, q_norm, q_nodes = _query_side(token0(q_tok) if q_tok is not None else None)
+        q, scale, q_norm, q_nodes = _query_side(token0(q_tok))
         k, k_scale, k_norm, k_nodes = _query_side(token0(k_tok))
-        v_src = token0(v_tok)
-        beta_src = token0(beta_tok) if beta_tok is not None else None
+        v_src, beta_src = token0(v_tok), token0(beta_tok)
         if q is None or k is None or v_src is None or beta_src is None:
             raise Refused("q, k, v or beta is not the single token of a [B, 1, ...] tensor")
         if q_norm != k_norm or k_scale != 1.0:

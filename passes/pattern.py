@@ -15,7 +15,11 @@ generated from each traced node instead of being listed by hand (the weakness of
   the ones patterns use); a ``dim`` of ``-1`` is also ``rank - 1``, ``[-1]`` or ``(-1,)``;
 - a dtype conversion is any spelling :func:`~.common.cast_of` knows (``.to(dtype)``, ``.float()``, ...); a
   conversion to ``x.dtype`` in the search function (``getattr(x, "dtype")`` once traced) matches a
-  conversion to the dtype the tensor bound to ``x`` has.
+  conversion to the dtype the tensor bound to ``x`` has;
+- ``x.unsqueeze(d)`` is also indexing that adds that one axis (``x[..., None]`` for ``d = -1``,
+  ``x[..., None, :]`` for ``-2``, ``x[:, None]`` for ``1``), its ``d`` counted in the result's rank;
+- an elementwise unary operation and an unsqueeze commute: ``x.exp().unsqueeze(-1)`` is also
+  ``x[..., None].exp()`` (and the other way round).
 
 The matcher never changes the graph; a rewrite checks the matched nodes' users (``check_closed``) and
 replaces them as before (:class:`~.common.Rewrite`), so its counts and refusal log lines stay what they were.
@@ -49,9 +53,12 @@ ARGUMENT_NAMES: dict[str, tuple[str, ...]] = {
     "sub": ("input", "other"),
     "mul": ("input", "other"),
     "div": ("input", "other"),
+    "unsqueeze": ("input", "dim"),
 }
 _DEFAULTS = {"keepdim": False}
 _COMMUTATIVE = {"add", "mul"}
+#: elementwise operations of one tensor: they commute with adding an axis
+_UNARY = {"exp", "neg", "sqrt", "rsqrt"}
 
 
 @dataclasses.dataclass
@@ -65,6 +72,15 @@ class PatternMatch:
 
     bindings: dict[str, Any]
     nodes: list[Node]
+
+    def downstream_of(self, name: str) -> list[Node]:
+        """The matched nodes that depend on the search function's argument ``name`` (in :attr:`nodes`'
+        order); the others compute on the other arguments alone."""
+        reached = {self.bindings[name]}
+        for node in self.nodes:
+            if any(n in reached for n in node.all_input_nodes):
+                reached.add(node)
+        return [n for n in self.nodes if n in reached and n is not self.bindings[name]]
 
 
 class _Mismatch(Exception):
@@ -132,6 +148,16 @@ class Pattern:
         name = op_name(p)
         if name == "to":
             self._cast(p, t, state)
+        elif name == "unsqueeze":
+            self._unsqueeze(p, t, state)
+        elif name in _UNARY and op_name(_argument(p, "input")) == "unsqueeze" and _unsqueeze_of(t) is not None:
+            # the search function's op(x.unsqueeze(d)) at the graph's op(x).unsqueeze(d)
+            inner, source = _argument(p, "input"), _unsqueeze_of(t)[0]
+            if op_name(source) != name:
+                state.fail(f"expected {_what(p)}, found {describe(t)}")
+            self._node_value(_argument(inner, "input"), source.args[0], state)
+            self._check_unsqueeze_dim(inner, t, state)
+            state.nodes.append(source)
         elif name == "pow" and _argument(p, "exponent") == 2 and op_name(t) == "mul":
             if len(t.args) != 2 or t.args[0] is not t.args[1] or t.kwargs:
                 state.fail(f"expected {_what(p)}, found {describe(t)}")
@@ -173,6 +199,31 @@ class Pattern:
         elif wanted != dtype:
             state.fail(f"a conversion to {dtype}, where the search function converts to {wanted}")
         self._node(p.args[0], source, state)
+
+    def _unsqueeze(self, p: Node, t: Node, state: _State) -> None:
+        found = _unsqueeze_of(t)
+        source = _argument(p, "input")
+        if found is None and op_name(source) in _UNARY and op_name(t) == op_name(source) \
+                and _unsqueeze_of(t.args[0]) is not None:
+            # the search function's op(x).unsqueeze(d) at the graph's op(x.unsqueeze(d))
+            self._node_value(_argument(source, "input"), _unsqueeze_of(t.args[0])[0], state)
+            self._check_unsqueeze_dim(p, t.args[0], state)
+            state.nodes.append(t.args[0])
+            return
+        if found is None:
+            state.fail(f"expected {_what(p)}, found {describe(t)}")
+        # the operand first, then the axis (as a reduction's dim): the deepest reason is the one reported
+        self._node_value(source, found[0], state)
+        self._check_unsqueeze_dim(p, t, state)
+
+    @staticmethod
+    def _check_unsqueeze_dim(p: Node, t: Node, state: _State) -> None:
+        """``t`` (an unsqueeze spelling) adds its axis where the search function's unsqueeze ``p`` does."""
+        rank = len(dims(t) or ())
+        wanted, have = _dims(_argument(p, "dim"), rank), _dims(_unsqueeze_of(t)[1], rank)
+        if not rank or wanted != have:
+            state.fail(f"{describe(t)} adds an axis at {_unsqueeze_of(t)[1]}, the search function at "
+                       f"{_argument(p, 'dim')!r}")
 
     def _arguments(self, p: Node, t: Node, name: str, state: _State) -> None:
         names = ARGUMENT_NAMES.get(name)
@@ -247,6 +298,27 @@ def _argument(node: Node, name: str) -> Any:
     if index < len(node.args):
         return node.args[index]
     return _DEFAULTS.get(name)
+
+
+def _unsqueeze_of(t: Any) -> tuple[Any, int] | None:
+    """``(x, d)`` when ``t`` adds one size-1 axis to ``x`` at ``d`` of the result and changes nothing else:
+    ``x.unsqueeze(d)``, ``torch.unsqueeze(x, d)``, or indexing with one ``None`` among ``:`` and at most one
+    ``...``; else None."""
+    name = op_name(t)
+    if name == "unsqueeze":
+        d = _argument(t, "dim")
+        return (_argument(t, "input"), d) if isinstance(d, int) else None
+    if name != "getitem" or len(t.args) != 2:
+        return None
+    index = t.args[1] if isinstance(t.args[1], tuple) else (t.args[1],)
+    full = slice(None)
+    if sum(e is None for e in index) != 1 or sum(e is Ellipsis for e in index) > 1 \
+            or not all(e is None or e is Ellipsis or e == full for e in index):
+        return None
+    at = index.index(None)
+    if Ellipsis in index and index.index(Ellipsis) < at:
+        return t.args[0], at - len(index)  # counted from the end: the entries after the None are trailing axes
+    return t.args[0], at
 
 
 def _dims(dim: Any, rank: int) -> frozenset | None:

@@ -1,9 +1,10 @@
 """What the state rewrites (``kda_state_inplace``, ``conv_state_inplace``) share, beside :mod:`.common`.
 
-Their patterns are transformers' plain-torch math, where a function and the method of the same name are
-one operation (``torch.exp(x)`` and ``x.exp()``: :func:`.common.op_name`), and the unimem state ops are described
-by the bytes of each slot they touch (their declared footprints,
-:data:`unimem_compile.ops.common.SLOT_FOOTPRINTS`): :class:`StateAccess`, :func:`first_conflict`.
+The parts of their matches that are not plain math: the shape-dependent views (:func:`unsqueezed`,
+:func:`token0`), the optional casts around the math (:func:`strip_noops`, :func:`strip_upcast`), and the
+unimem state ops described by the bytes of each slot they touch (their declared footprints,
+:data:`unimem_compile.ops.common.SLOT_FOOTPRINTS`): :class:`StateAccess`, :func:`first_conflict`. The
+plain math of the KDA step is a search function (passes/kda_state_inplace.py, :mod:`.pattern`).
 """
 
 from __future__ import annotations

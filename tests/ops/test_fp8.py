@@ -15,6 +15,7 @@ import triton.language as tl
 
 from unimem_compile.errors import GeometryError
 from unimem_compile.ops import fp8
+from unimem_compile.ops.common import latent_rows
 from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool
 
 mw = importlib.import_module("unimem_compile.ops.mla_write")
@@ -162,7 +163,7 @@ def test_kernel_writes_exactly_the_reference_bytes_and_nothing_else(fmt, gen):
     op = before.clone()
     torch.ops.unimem.mla_kv_write(op, pool.v2p, loc, nope, rope, 2, L, PS, r, dr, fmt)
     assert torch.equal(op, want)
-    rows, live_lanes = mw.latent_rows(pool.v2p, loc, 2, L, PS)
+    rows, live_lanes = latent_rows(pool.v2p, loc, 2, L, PS)
     assert int(live_lanes.sum()) == 30
     touched = torch.zeros_like(before, dtype=torch.bool)
     row_bytes = pool.layout.kv.entry_bytes

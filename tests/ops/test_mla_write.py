@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from unimem_compile.errors import GeometryError
+from unimem_compile.ops.common import latent_rows
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool
 
 mw = importlib.import_module("unimem_compile.ops.mla_write")
@@ -68,7 +69,7 @@ def _assert_untouched_outside(pool, before, after, loc, layer):
     """The sink is still zero and bytes outside the live lanes' rows are unchanged."""
     assert not after[: pool.layout.sink_floor].any()
     mask = torch.ones_like(before, dtype=torch.bool)
-    rows, live = mw.latent_rows(pool.v2p, loc, layer, L, pool.layout.page_size)
+    rows, live = latent_rows(pool.v2p, loc, layer, L, pool.layout.page_size)
     row_bytes = D * pool.layout.kv.itemsize
     for r in rows[live].tolist():
         mask[r * row_bytes: (r + 1) * row_bytes] = False
