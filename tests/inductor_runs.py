@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 import unimem_compile
 from unimem_compile.hf.models import build_model
 
-from .prompts import left_padded
+from .hf.generate_models import greedy, prompts
 
 MAX_BATCH, MAX_SEQ, PAGE = 2, 96, 16
 LENGTHS, SEED, NEW_TOKENS = (24, 17), 21, 20
@@ -59,12 +59,6 @@ class InductorRun:
     stats: dict
 
 
-def greedy(model, ids, mask, new_tokens, **kw):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, **kw)
-
-
 def _compile(family: str):
     model = build_model(family)
     unimem_compile.compile(model, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, page_size=PAGE, backend="inductor")
@@ -75,7 +69,7 @@ def _compile(family: str):
 @functools.cache
 def inductor_run(family: str) -> InductorRun:
     """:class:`InductorRun` of ``family`` (a preset of :mod:`unimem_compile.hf.models`), once per session."""
-    ids, mask = left_padded(LENGTHS, torch.Generator().manual_seed(SEED))
+    ids, mask = prompts(LENGTHS, SEED)
     want = greedy(build_model(family), ids, mask, NEW_TOKENS)
     model = _compile(family)
     got, codes = run_and_get_code(greedy, model, ids, mask, NEW_TOKENS)
