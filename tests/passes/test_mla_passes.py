@@ -19,6 +19,8 @@ from unimem_compile.inspect_graphs import attention_prefixes, capture, format_la
 from unimem_compile.passes import MLAAbsorb, MLAPrefill, MLAWriteFusion, make_pass_manager
 from unimem_compile.passes.common import copy_graph, is_function
 
+from ..inductor_runs import inductor_run, warm_run
+
 PROMPT, NEW = 6, 8
 PASS_LOG = "unimem_compile.passes"
 
@@ -614,23 +616,16 @@ def test_capture_decode_refuses_when_no_decode_graph_was_compiled():
 @pytest.mark.slow
 @pytest.mark.parametrize("name, family", [("kimi-linear-tiny", "kimi"), ("deepseek-v3-tiny", "deepseek")])
 def test_inductor_counts_and_tokens_hold_on_a_warm_compile_cache(name, family, request):
-    """Compiled twice with Inductor (the second time from its cache after a Dynamo reset): the same counts
-    and tokens as with aot_eager, because the rewrites run before any cache lookup."""
+    """Compiled twice with Inductor (tests/inductor_runs.py: the suite's one Inductor compile of the family,
+    then again from its cache after a Dynamo reset): the same counts as with aot_eager and the same tokens,
+    because the rewrites run before any cache lookup."""
     reference = request.getfixturevalue(family)
-    counters = torch._dynamo.utils.counters
-    runs = []
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
-        result = capture(name, backend="inductor", prompt=PROMPT, new_tokens=NEW)
-        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-        runs.append((result, hits))
-    warm_hits = runs[1][1]
-    assert warm_hits >= 2, f"the second compile did not come from the cache: {dict(counters)}"
-    for result, _ in runs:
-        assert result.model.unimem.rewrites == reference.model.unimem.rewrites
-        assert [r.counts for r in result.records] == [r.counts for r in reference.records]
-        assert torch.equal(result.tokens, reference.tokens)
+    cold, warm = inductor_run(name), warm_run(name)
+    assert warm.hits >= 2, f"the second compile did not come from the cache: {warm.counters}"
+    for rewrites, counts in ((cold.rewrites_first, cold.counts), (warm.rewrites, warm.counts)):
+        assert rewrites == reference.model.unimem.rewrites
+        assert counts == [r.counts for r in reference.records]
+    assert torch.equal(warm.tokens, cold.got) and torch.equal(cold.got, cold.want)
 
 
 def test_decode_graphs_are_told_apart_from_prefill_graphs(kimi, deepseek):

@@ -1,49 +1,33 @@
-"""The state rewrites under Inductor (the suite's one Inductor compile of tiny Kimi-Linear, about two
-minutes on a 2-core CPU): in the generated code every state write is the in-place op on the arena the
-graph was given, nothing copies the whole arena, and no state gather or scatter is left in the decode
-graph; greedy fp32 tokens equal stock transformers'."""
+"""The state rewrites under Inductor, on the suite's one Inductor compile of tiny Kimi-Linear
+(tests/inductor_runs.py, shared with tests/hf/test_inductor.py; every pass on): in the generated code every
+state write is the in-place op on the arena the graph was given, nothing copies the whole arena, and no state
+gather or scatter is left in the decode graph; greedy fp32 tokens equal stock transformers'."""
 
 import re
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
-
-import unimem_compile
-from unimem_compile.hf.models import build_model
 
 from ..generated_code import arena_arg, op_calls
+from ..inductor_runs import inductor_run
 
 pytestmark = pytest.mark.slow
-
-MINE = ("kda_state_inplace", "conv_state_inplace")
-NEW_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
 def run():
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, 1000, (2, 6), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    model = build_model("kimi-linear-tiny", dtype=torch.float32)
-    stock = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    unimem_compile.compile(model, max_batch_size=2, max_seq_len=16, page_size=4, backend="inductor", passes=MINE)
-    # the code is only generated on a compile-cache miss
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        out, codes = run_and_get_code(model.generate, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                      do_sample=False)
-    return model, stock, out, codes
+    run = inductor_run("kimi-linear-tiny")
+    return run.model, run.want, run.got, run.codes, run.rewrites_first
 
 
 def test_inductor_tokens_equal_stock_transformers(run):
-    _, stock, out, _ = run
+    _, stock, out, _, _ = run
     assert torch.equal(out, stock)
 
 
 def test_decode_code_updates_every_state_in_place_on_the_arena_input(run):
-    model, _, _, codes = run
-    assert model.unimem.rewrites["kda_state_inplace"] == 2 and model.unimem.rewrites["conv_state_inplace"] == 2
+    model, _, _, codes, rewrites = run
+    assert rewrites["kda_state_inplace"] == 2 and rewrites["conv_state_inplace"] == 2
     numel = model.unimem.pool.arena.numel()
     decode = [c for c in codes if "kda_decode" in c]
     assert len(decode) == 1 and len(codes) == 2
@@ -67,14 +51,14 @@ def _arena_copies(code: str, numel: int) -> list[str]:
 
 
 def test_decode_code_never_copies_the_arena(run):
-    model, _, _, codes = run
+    model, _, _, codes, _ = run
     numel = model.unimem.pool.arena.numel()
     code = next(c for c in codes if "kda_decode" in c)
     assert _arena_copies(code, numel) == []
 
 
 def test_prefill_code_never_copies_the_arena(run):
-    model, _, _, codes = run
+    model, _, _, codes, _ = run
     numel = model.unimem.pool.arena.numel()
     code = next(c for c in codes if "kda_decode" not in c)
     assert _arena_copies(code, numel) == []
@@ -84,7 +68,7 @@ def test_prefill_hands_kda_chunk_dense_q_k_v_buffers_of_their_own_size(run):
     """q, k, v are views of the conv output; handed to the op as they are, Inductor kept their traced
     strides and gave each one a buffer the size of the whole conv output (3x the bytes, +6 GiB at batch
     32 x 4096 tokens on the 48B geometry). Each must be a dense [B, T, H, K] buffer."""
-    model, _, _, codes = run
+    model, _, _, codes, _ = run
     (prefill,) = [c for c in codes if "kda_chunk" in c]
     calls = op_calls(prefill, "kda_chunk")
     assert len(calls) == 2
