@@ -212,8 +212,7 @@ async def _load(url, n_requests, concurrency, references):
 
 def test_load_every_request_answered_once_arena_empty_only_429s(server, model):
     url = server
-    # 16 rounds of the 6 (prompt, chat or not, streamed or not) kinds a request index picks
-    n, concurrency = 96, 2 * MAX_QUEUE
+    n, concurrency = 200, 2 * MAX_QUEUE
     references = []
     for k, prompt in enumerate(PROMPTS * 2):
         max_new = 2 + k % 4
