@@ -153,6 +153,21 @@ def test_api_key_is_required_and_refused_requests_never_reach_the_engine(live):
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
 
 
+def test_more_completions_than_the_queue_holds_is_a_400_not_a_429_forever():
+    engine = FakeEngine(REPLY, max_seq_len=64, max_queue=2)
+    _, server = _server(engine)
+    try:
+        for body in ({"model": "fake", "prompt": "x", "n": 3}, {"model": "fake", "prompt": ["a", "b", "c"]}):
+            err = _error(_post(server, "/v1/completions", body, key=None), 400)
+            assert err["param"] == "n" and "asks for 3 completions" in err["message"] and "queues at a time" in \
+                err["message"] and "2 requests" in err["message"]
+        assert engine.submitted == []  # nothing was queued
+        assert _post(server, "/v1/completions", {"model": "fake", "prompt": "x", "n": 2}, key=None).status_code == 200
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_a_full_engine_answers_429_with_retry_after():
     engine = FakeEngine(REPLY * 4, max_seq_len=512, max_queue=2, step_s=0.05)
     _, server = _server(engine)

@@ -124,6 +124,13 @@ class _Generation:
 
     def submit(self) -> None:
         engine = self.state.engine
+        # every choice (prompts x n) waits in the engine's queue on its own: more of them than the queue holds
+        # could never all be admitted, so a 429 (retry later) would be answered forever
+        limit = getattr(engine, "max_queue", None)
+        if limit is not None and len(self.choices) > limit:
+            raise APIError(400, f"this request asks for {len(self.choices)} completions (prompts x n), more than "
+                           f"the {limit} requests the server queues at a time (--max-queue); send fewer per request",
+                           param="n", code="invalid_value")
         for choice, sampling in zip(self.choices, self.sampling):
             def on_update(u: Update, _loop=self.loop, _q=self.queue):
                 _loop.call_soon_threadsafe(_q.put_nowait, u)

@@ -103,6 +103,8 @@ class EngineClient(Protocol):
 
     Attributes:
         max_seq_len: most tokens (prompt + generated) one request may hold.
+        max_queue: optional; the most requests that wait for admission at a time (a request of more
+            completions than that is refused with 400 before any is submitted).
     """
 
     max_seq_len: int
@@ -156,6 +158,11 @@ class ManagerEngine:
             manager.start()
         self._thread = threading.Thread(target=self._dispatch, name="unimem-serve-dispatch", daemon=True)
         self._thread.start()
+
+    @property
+    def max_queue(self) -> int | None:
+        """The most requests that wait for admission at a time (the manager's ``max_queue``; None: no limit)."""
+        return self.manager.max_queue
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, on_update: Callable[[Update], None]) -> str:
         if self._closing.is_set():
