@@ -55,6 +55,7 @@ from unimem_compile.ops import fp8
 from unimem_compile.ops import mla_decode as md
 from unimem_compile.ops import mla_decode_hopper
 from unimem_compile.options import kv_dtype_of
+from unimem_compile.profiling import cuda_kernels
 from unimem_compile.pool.specs import MLARowFormat
 
 H, R, DR, L, LAYER = 32, 512, 64, 7, 3
@@ -224,16 +225,6 @@ def kernel_name(choice: str, kv_dtype: torch.dtype = torch.bfloat16) -> str:
     return "wgmma" if fits else "portable"
 
 
-def cuda_kernels(fn) -> list[str]:
-    """Names of the CUDA kernels one call of ``fn`` launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def hot_ms(fn, calls: int = 20, replays: int = 10) -> float:

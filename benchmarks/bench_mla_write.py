@@ -43,6 +43,7 @@ from unimem_compile.ops import fp8  # noqa: E402
 from unimem_compile.ops.common import typed_rows  # noqa: E402
 from unimem_compile.options import kv_dtype_of  # noqa: E402
 from unimem_compile.pool import MLASpec, UnifiedPool  # noqa: E402
+from unimem_compile.profiling import cuda_kernels  # noqa: E402
 
 mw = importlib.import_module("unimem_compile.ops.mla_write")
 mg = importlib.import_module("unimem_compile.ops.mla_gather")
@@ -70,15 +71,6 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / bench(lambda: dst.copy_(src))
 
 
-def cuda_kernels(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def make_pool(page_size: int, n_pages: int, gen: torch.Generator, kv: torch.dtype) -> tuple[UnifiedPool, list[int]]:

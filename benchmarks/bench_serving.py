@@ -410,33 +410,25 @@ def plot(results: dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="tiny model, fp32, aot_eager, tiny traces (CPU check)")
-    p.add_argument("--model", default=None, help="preset (default kimi-linear-48b-8l; kimi-linear-tiny with --smoke)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--traces", default=",".join(TRACE_NAMES))
-    p.add_argument("--scale", type=float, default=1.0, help="fraction of each phase's requests (same rate)")
-    p.add_argument("--rate", type=float, default=None, help="arrivals per second (every system gets it)")
-    p.add_argument("--find-rate", action="store_true", help="bisect the rate on the unified engine first")
-    p.add_argument("--rate-lo", type=float, default=0.5)
-    p.add_argument("--rate-hi", type=float, default=64.0)
-    p.add_argument("--rate-iters", type=int, default=5)
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine and arena arguments bench_serving and bench_serving_http share (their defaults are
+    filled by :func:`apply_presets`)."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-gib", type=float, default=None, help="arena (default 6; 0.002 with --smoke)")
     p.add_argument("--max-batch", type=int, default=None, help="decode rows (default 64; 4 with --smoke)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
-    p.add_argument("--sim-tick-s", type=float, default=0.05, help="seconds per simulator tick for simbest")
-    p.add_argument("--sample-s", type=float, default=0.25)
+    p.add_argument("--sample-s", type=float, default=0.25, help="seconds between occupancy samples")
     p.add_argument("--drain-timeout-s", type=float, default=3600.0)
-    p.add_argument("--step-check", action="store_true", help="decode step at 32 rows: engine vs runner generate()")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json)")
-    p.add_argument("--plots", default=None, help="folder of serving_<trace>.png (default benchmarks/plots)")
-    args = p.parse_args(argv)
+
+
+def apply_presets(args, rate: float | None = None) -> None:
+    """Fill the arguments left unset from the preset of the run: ``--smoke`` (tiny Kimi-Linear, a 600 kB arena,
+    prompts scaled by 1/128, CPU-sized) or the run of record (the 8-layer real-geometry model, a 6 GiB arena,
+    batch 64, max_seq_len 96k + 512, page 64). ``rate`` (requests/s) is the full run's default arrival rate
+    when ``--rate`` is unset (None: leave it unset, find_rate or the trace default decides); the smoke
+    preset's is 20/s. Mutates ``args`` (bench_serving_http uses the same presets)."""
     if args.smoke:
         args.model = args.model or "kimi-linear-tiny"
         args.budget_gib = args.budget_gib or 600_000 / GIB
@@ -454,6 +446,31 @@ def main(argv=None) -> int:
         args.max_seq_len = args.max_seq_len or 96 * 1024 + 512
         args.page_size = args.page_size or 64
         args.scale_tokens = 1.0
+        if rate is not None:
+            args.rate = args.rate or rate
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny model, fp32, aot_eager, tiny traces (CPU check)")
+    p.add_argument("--model", default=None, help="preset (default kimi-linear-48b-8l; kimi-linear-tiny with --smoke)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--traces", default=",".join(TRACE_NAMES))
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each phase's requests (same rate)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (every system gets it)")
+    p.add_argument("--find-rate", action="store_true", help="bisect the rate on the unified engine first")
+    p.add_argument("--rate-lo", type=float, default=0.5)
+    p.add_argument("--rate-hi", type=float, default=64.0)
+    p.add_argument("--rate-iters", type=int, default=5)
+    add_engine_arguments(p)
+    p.add_argument("--sim-tick-s", type=float, default=0.05, help="seconds per simulator tick for simbest")
+    p.add_argument("--step-check", action="store_true", help="decode step at 32 rows: engine vs runner generate()")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json)")
+    p.add_argument("--plots", default=None, help="folder of serving_<trace>.png (default benchmarks/plots)")
+    args = p.parse_args(argv)
+    apply_presets(args)
     systems = [s for s in args.systems.split(",") if s]
     bad = sorted(set(systems) - set(SYSTEMS))
     if bad:

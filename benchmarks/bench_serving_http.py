@@ -168,37 +168,13 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="fraction of the stationary trace's 3000 requests")
     p.add_argument("--duration", type=float, default=None, help="keep only the arrivals of the first S seconds")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 4; 20 with --smoke)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-gib", type=float, default=None, help="arena (default 6; 0.002 with --smoke)")
-    p.add_argument("--max-batch", type=int, default=None, help="decode rows (default 64; 4 with --smoke)")
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--max-prefill-tokens", type=int, default=4096)
-    p.add_argument("--sample-s", type=float, default=0.25)
-    p.add_argument("--drain-timeout-s", type=float, default=3600.0)
+    bench_serving.add_engine_arguments(p)
     p.add_argument("--skip-in-process", action="store_true", help="HTTP only (no baseline, no overhead figure)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_http_<date>.json)")
     args = p.parse_args(argv)
     if args.client:
         return client_main(args)
-    if args.smoke:
-        args.model = args.model or "kimi-linear-tiny"
-        args.budget_gib = args.budget_gib or 600_000 / GIB
-        args.max_batch = args.max_batch or 4
-        args.max_seq_len = args.max_seq_len or 160
-        args.page_size = args.page_size or 16
-        args.scale_tokens = 1 / 128
-        args.scale = min(args.scale, 0.004)
-        args.rate = args.rate or 20.0
-        args.max_prefill_tokens = min(args.max_prefill_tokens, 32)
-    else:
-        args.model = args.model or "kimi-linear-48b-8l"
-        args.budget_gib = args.budget_gib or 6.0
-        args.max_batch = args.max_batch or 64
-        args.max_seq_len = args.max_seq_len or 96 * 1024 + 512
-        args.page_size = args.page_size or 64
-        args.scale_tokens = 1.0
-        args.rate = args.rate or 4.0
+    bench_serving.apply_presets(args, rate=4.0)
     args.keep_stock = False
     trace = bench_serving.make_trace("stationary", args.rate, args.seed, args.scale, args.scale_tokens)
     if args.duration is not None:

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -267,3 +268,13 @@ def test_serving_traces_follow_their_definition():
     small = bench.make_trace("phased", rate=4.0, seed=0, scale=0.1)
     assert [r["kind"] for r in small] == ["chat"] * 150 + ["long"] * 6 + ["chat"] * 150
     assert small[149]["arrival"] == pytest.approx(phased[149]["arrival"])  # same rate, shorter trace
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_kernels_refuses_without_cuda_instead_of_reporting_no_launch():
+    from unimem_compile.profiling import cuda_kernels
+
+    calls = []
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        cuda_kernels(lambda: calls.append(1))
+    assert calls == []  # refused before running the function

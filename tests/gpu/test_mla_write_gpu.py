@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool  # noqa: E402
+from unimem_compile.profiling import cuda_kernels  # noqa: E402
 
 mw = importlib.import_module("unimem_compile.ops.mla_write")
 mg = importlib.import_module("unimem_compile.ops.mla_gather")
@@ -199,15 +200,6 @@ def test_compiled_write_and_gather_with_inductor_match_eager(gen):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _cuda_kernels(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def test_each_op_call_is_exactly_one_kernel_launch(gen):
@@ -229,7 +221,7 @@ def test_each_op_call_is_exactly_one_kernel_launch(gen):
                                                           R, DR, BF16),
     }
     for name, fn in calls.items():
-        kernels = _cuda_kernels(fn)
+        kernels = cuda_kernels(fn)
         assert len(kernels) == 1, (name, kernels)
 
 
