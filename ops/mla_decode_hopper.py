@@ -132,6 +132,70 @@ if gluon is not None:
             _tma_load(kv_desc, [row0, c * CHUNK], bar, kv_smem.index(stage * NCH + c))
 
     @gluon.jit
+    def _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N: gl.constexpr):
+        # tokens [start, end) of split s of row b and its tile count: the portable kernel's _split_bounds
+        n = gl.minimum(gl.maximum(gl.load(kv_len_ptr + b), 0), max_tokens)
+        split_len = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+        start = s * split_len
+        end = gl.maximum(gl.minimum(start + split_len, n), start)
+        return start, end, gl.cdiv(end - start, BLOCK_N)
+
+    @gluon.jit
+    def _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld: gl.constexpr, kv_ty: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr,
+                       CHUNK: gl.constexpr):
+        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
+        offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
+        h_ok = (offs_h < H)[:, None]
+        qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
+        for c in gl.static_range(NC):
+            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
+        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        fence_async_shared()
+
+    @gluon.jit
+    def _softmax_to_shared(sacc, t_ok, qk_scale, m_i, l_i, p_smem):
+        # one tile of the online softmax over the raw scores S^T [64 tokens, heads] (tokens not t_ok excluded;
+        # base 2: qk_scale carries log2(e)); the probabilities go to p_smem for the value product. Returns the
+        # factor [1, heads] that rescales what was accumulated before, and the new running max and sum.
+        scores = gl.where(t_ok[:, None], sacc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(scores - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        return alpha[None, :], m_new, l_i
+
+    @gluon.jit
+    def _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                  head_l: gl.constexpr, num_warps: gl.constexpr, CHUNK: gl.constexpr):
+        # O^T chunks / l -> [heads, R] rows (value columns contiguous): the split's partial and its base-2
+        # log-sum-exp, or (one split) the output
+        l_safe = gl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
+        inv = (1.0 / l_safe)[None, :]
+        st_l: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])  # [64 cols, heads], cols fastest
+        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, st_l))
+        offs_hs = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, st_l))
+        hs_ok = (offs_hs < H)[None, :]
+        if SPLIT:
+            if start < end:  # an unused split stores nothing: the merge reads only the splits holding tokens
+                slot = (b.to(gl.int64) * num_splits + s) * H + offs_hs
+                dst = part_o_ptr + slot[None, :] * R + offs_r[:, None]
+                _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                              part_o_ptr.dtype.element_ty, CHUNK)
+                offs_hl = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
+                slot_l = (b.to(gl.int64) * num_splits + s) * H + offs_hl
+                gl.store(part_lse_ptr + slot_l, m_i + gl.log2(l_safe), mask=offs_hl < H)
+        else:
+            dst = out_ptr + (b.to(gl.int64) * H + offs_hs[None, :]) * R + offs_r[:, None]
+            _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                          out_ptr.dtype.element_ty, CHUNK)
+
+    @gluon.jit
     def _mla_decode_wgmma_kernel(
         kv_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
         qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
@@ -148,12 +212,7 @@ if gluon is not None:
         s = gl.program_id(2)
         kv_ty: gl.constexpr = kv_desc.dtype
 
-        # split bounds: as the portable kernel's _split_bounds with BLOCK_N = 64
-        n = gl.minimum(gl.maximum(gl.load(kv_len_ptr + b), 0), max_tokens)
-        split_len = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-        start = s * split_len
-        end = gl.maximum(gl.minimum(start + split_len, n), start)
-        num_tiles = gl.cdiv(end - start, BLOCK_N)
+        start, end, num_tiles = _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
         # layouts: wgmma accumulators [64, BLOCK_H] (tokens or value columns along M, heads along N)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -178,16 +237,8 @@ if gluon is not None:
                 _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, start + i * BLOCK_N, num_pages,
                             layer_rows, i, PS, L, NCH, CHUNK)
 
-        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
-        offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
-        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
-        h_ok = (offs_h < H)[:, None]
-        qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
-        for c in gl.static_range(NC):
-            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
-        qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
-        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
-        fence_async_shared()
+        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld, kv_ty, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -223,15 +274,7 @@ if gluon is not None:
                 sacc = warpgroup_mma(kv_smem.index(base + c), q_smem.index(c).permute((1, 0)), sacc,
                                      is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
-            scores = gl.where((t0 + offs_t < end)[:, None], sacc * qk_scale, float("-inf"))  # base 2
-            m_new = gl.maximum(m_i, gl.max(scores, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(scores - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            p_smem.store(p.to(kv_ty))
-            fence_async_shared()
-            a2 = alpha[None, :]
+            a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
             acc0 = warpgroup_mma(kv_smem.index(base + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
             acc1 = warpgroup_mma(kv_smem.index(base + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
             acc2 = warpgroup_mma(kv_smem.index(base + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
@@ -266,26 +309,8 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        # epilogue: O^T chunks / l -> [heads, R] rows (value columns contiguous)
-        l_safe = gl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
-        inv = (1.0 / l_safe)[None, :]
-        st_l: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])  # [64 cols, heads], cols fastest
-        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, st_l))
-        offs_hs = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, st_l))
-        hs_ok = (offs_hs < H)[None, :]
-        if SPLIT:
-            if start < end:  # an unused split stores nothing: the merge reads only the splits holding tokens
-                slot = (b.to(gl.int64) * num_splits + s) * H + offs_hs
-                dst = part_o_ptr + slot[None, :] * R + offs_r[:, None]
-                _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
-                              part_o_ptr.dtype.element_ty, CHUNK)
-                offs_hl = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
-                slot_l = (b.to(gl.int64) * num_splits + s) * H + offs_hl
-                gl.store(part_lse_ptr + slot_l, m_i + gl.log2(l_safe), mask=offs_hl < H)
-        else:
-            dst = out_ptr + (b.to(gl.int64) * H + offs_hs[None, :]) * R + offs_r[:, None]
-            _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
-                          out_ptr.dtype.element_ty, CHUNK)
+        _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
 
     @gluon.jit
     def _store_chunks(dst, ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l: gl.constexpr,
