@@ -42,7 +42,7 @@ from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
 from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
-                                wgmma_supported)
+                                mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -60,6 +60,11 @@ INTERPRETER_SMS = 4
 FP8_MAX_SCALE_TILES = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
+#: Whether ``kernel="auto"`` takes the Hopper kernel for fp8 rows too (:func:`~.mla_decode_hopper.
+#: mla_decode_stage1_wgmma_fp8`). False until a GPU run has checked it (tests/gpu/test_mla_decode_fp8_gpu.py)
+#: and timed it faster than the portable fp8 kernel (``bench_mla_decode.py --kv-dtype fp8_e4m3 --kernel
+#: wgmma`` beside the ``--kernel auto`` run); ``kernel="wgmma"`` runs it either way.
+FP8_AUTO_WGMMA = False
 
 _LOG2E = 1.4426950408889634
 
@@ -579,8 +584,8 @@ def mla_decode_triton(
         raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
     fits_wgmma = wgmma_supported(q_nope.device, kv_dtype, page_size, kv_lora_rank, qk_rope_head_dim)
     if kernel == "wgmma" and not fits_wgmma:
-        raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU, bf16/fp16 KV, page_size % 64 == 0, "
-                         f"kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
+        raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU, bf16/fp16/e4m3fn/e4m3fnuz KV, page_size % 64 "
+                         f"== 0, kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
                          f"{kv_dtype}, page_size {page_size}, kv_lora_rank {kv_lora_rank}, "
                          f"qk_rope_head_dim {qk_rope_head_dim}")
     if fits_wgmma and arena.data_ptr() % 16:  # TMA needs a 16-byte aligned base (a view into a bigger buffer)
@@ -588,7 +593,7 @@ def mla_decode_triton(
             raise ValueError(f"{op}: the wgmma kernel needs a 16-byte aligned arena (TMA); its data starts at "
                              f"address {arena.data_ptr():#x}")
         fits_wgmma = False
-    use_wgmma = fits_wgmma and kernel != "portable"
+    use_wgmma = fits_wgmma and (kernel == "wgmma" or (kernel == "auto" and (FP8_AUTO_WGMMA or not g.quantized)))
     if g.quantized and g.row_format.num_scales > FP8_MAX_SCALE_TILES:
         # the fp8 kernel holds one accumulator per scale tile; no model we serve has a wider latent
         return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
@@ -621,17 +626,24 @@ def mla_decode_triton(
         part_o = part_lse = out  # unused by the kernel when there is one split
     if use_wgmma:
         try:
-            mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p, page_table,
-                                    kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
-                                    layer * page_size, page_size, layer_num, splits, block_h, stages=wgmma_stages,
-                                    early_refill=wgmma_early_refill)
+            if g.quantized:
+                mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows.view(n_rows, g.row_bytes), g.row_format, v2p,
+                                            page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
+                                            P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
+                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages)
+            else:
+                mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
+                                        page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
+                                        layer * page_size, page_size, layer_num, splits, block_h,
+                                        stages=wgmma_stages, early_refill=wgmma_early_refill)
         except triton.compiler.errors.CompilationError as e:
             # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
             # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
             if kernel == "wgmma":
                 raise
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}")
+            disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}",
+                          fp8=g.quantized)
             return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry,
                                      num_splits=num_splits,
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
