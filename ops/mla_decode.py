@@ -528,8 +528,9 @@ def mla_decode_triton(
         kernel: stage-1 form, one of :data:`KERNELS` (default: the ``UNIMEM_MLA_DECODE_KERNEL``
             environment variable, :func:`unimem_compile.env.mla_decode_kernel`, else "auto"). "auto" takes
             the Hopper TMA + wgmma kernel where :func:`~.mla_decode_hopper.wgmma_supported` says it applies
-            (sm_90, bf16/fp16, page size a multiple of 64, R 512, Dr 64) and the portable Triton kernel
-            elsewhere; "wgmma" raises ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
+            (sm_90, bf16/fp16 or e4m3fn/e4m3fnuz rows, page size a multiple of 64, R 512, Dr 64; for fp8
+            rows only when :data:`FP8_AUTO_WGMMA`) and the portable Triton kernel elsewhere; "wgmma" raises
+            ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
             ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a ``wgmma_stages``-deep TMA ring) and its
             default split count assumes one resident program per SM.
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
@@ -537,8 +538,12 @@ def mla_decode_triton(
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
-    An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs the portable
-    form's fp8 split kernel (``kernel="wgmma"`` raises; the knobs apply as to the portable kernel): it reads
+    An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs, with
+    ``kernel="wgmma"`` (or "auto" when :data:`FP8_AUTO_WGMMA` is switched on), the Hopper fp8 kernel
+    (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`: the rows dequantised once to the bf16 values
+    :func:`mla_decode_reference` reads, then the bf16 Hopper kernel's products; its knobs as for bf16 rows,
+    ``wgmma_early_refill`` ignored), and otherwise the portable form's fp8 split kernel (the knobs apply as
+    to the portable kernel): it reads
     each row's fp8 codes, fp32 scales and bf16 rope (656 bytes at R 512, Dr 64, not 1152), converts the
     codes exactly to the dot dtype (bf16 for 16-bit queries, fp32 for fp32 ones; :func:`fp8_hw_conversion`
     says how) and applies each 128-value tile's scale after the dot it factors out of (per (head, token)
@@ -715,7 +720,8 @@ def mla_decode(
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (R = kv_lora_rank,
             Dr = qk_rope_head_dim); kv_dtype bf16, fp16, fp32, or e4m3fn / e4m3fnuz (scaled fp8 rows: the
             reference, which CPU tensors run, reads the bf16 values ``mla_gather`` returns; CUDA tensors run
-            the fp8 split kernel over the exact ``code x scale`` values, see :func:`mla_decode_triton`).
+            the fp8 split kernel over the exact ``code x scale`` values, or the Hopper fp8 kernel over the
+            bf16 values, see :func:`mla_decode_triton`).
 
     Returns:
         ``[B, H, R]`` contiguous in q's dtype: ``softmax(scores) @ kv[:, :R]`` per row and head, zeros for

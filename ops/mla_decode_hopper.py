@@ -24,7 +24,11 @@ run) into a ring of ``STAGES`` buffers with one mbarrier each, so tile ``j + 1``
 wgmma groups retire in order), which measured 3.6-5.5% faster than refilling after the last product at
 batch >= 32 on an H200 (benchmarks/RESULTS.md).
 
-Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 KV, ``page_size % 64 == 0`` (a 64-token tile is
+Scaled fp8 rows (e4m3fn / e4m3fnuz, 656 bytes at R 512, Dr 64) have a form of their own,
+:func:`mla_decode_stage1_wgmma_fp8`: the same products, softmax and epilogue (shared helpers), on bf16 values
+dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why).
+
+Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 or e4m3 KV, ``page_size % 64 == 0`` (a 64-token tile is
 one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
 ``qk_rope_head_dim == 64``: the geometry of Kimi-Linear and DeepSeek-V2/V3. Everything
 else, and the CPU interpreter, uses the portable kernel. The merge (stage 2) is the portable kernel's.
