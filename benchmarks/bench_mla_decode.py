@@ -15,9 +15,10 @@ there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one
 one call launches.
 
 ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``) times the same grid on scaled fp8 rows (656 bytes per token:
-ops/fp8.py; the op's fp8 split kernel), the bytes counted with the fp8 row, and at every point the bf16 op
-(the device's default bf16 kernel) on a bf16 arena of the same geometry, timed the same way in the same
-run: ``bf16_ms`` and ``speedup_vs_bf16`` (bf16 time / fp8 time = the tokens/s ratio). ``fp8_targets``
+ops/fp8.py; the op's fp8 kernel for ``--kernel``: auto is the portable fp8 split kernel unless
+``mla_decode.FP8_AUTO_WGMMA`` is switched on, ``--kernel wgmma`` the Hopper fp8 kernel), the bytes counted with
+the fp8 row, and at every point the bf16 op (the same ``--kernel`` choice: auto and wgmma are the Hopper bf16
+kernel on an H200) on a bf16 arena of the same geometry, timed the same way in the same run: ``bf16_ms`` and ``speedup_vs_bf16`` (bf16 time / fp8 time = the tokens/s ratio). ``fp8_targets``
 checks issue 22's: at batch >= 64 and context >= 16k at least 1.6x (floor 1.25x), elsewhere at least 1x.
 With ``--quick`` the fp8 grid is :data:`FP8_QUICK_POINTS` (the issue's points and two short ones);
 ``--fp8-sweep-only`` times instead, at batch 64, context 16k, the fp8 kernel under each of :data:`FP8_SWEEP`'s
@@ -30,7 +31,8 @@ token): the bf16 kernel's by default, the fp8 kernel's (dequantising included) w
 (issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s while dequantising).
 
 ``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2|_l2_fp8].json`` in
-it, the names of record (docs/design.md section 8).
+it, the names of record (docs/design.md section 8); an fp8 run with ``--kernel wgmma`` or ``portable`` adds
+the kernel's name (``mla_decode_<date>_fp8_wgmma.json``, ``_l2_fp8_wgmma``), so it sits beside the auto run.
 
 usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
            [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only]
@@ -222,6 +224,8 @@ def kernel_name(choice: str, kv_dtype: torch.dtype = torch.bfloat16) -> str:
     if choice != "auto":
         return choice
     fits = md.wgmma_supported(torch.device("cuda"), kv_dtype, 64, R, DR)
+    if kv_dtype != torch.bfloat16 and not md.FP8_AUTO_WGMMA:
+        fits = False  # auto keeps fp8 rows on the portable kernel until the switch is flipped
     return "wgmma" if fits else "portable"
 
 
@@ -317,11 +321,14 @@ def fp8_targets(points: list[dict]) -> dict:
     return out
 
 
-def out_path(out: str, kv_dtype: torch.dtype, l2: bool) -> str:
-    """``out`` itself, or for a folder the file name of record ``mla_decode_<date>[suffix].json``."""
+def out_path(out: str, kv_dtype: torch.dtype, l2: bool, kernel: str = "auto") -> str:
+    """``out`` itself, or for a folder the file name of record ``mla_decode_<date>[suffix].json`` (an fp8 run
+    of a kernel chosen by name: ``_<kernel>`` after the fp8 suffix)."""
     if not os.path.isdir(out):
         return out
     fp8_suffix = {torch.float8_e4m3fn: "_fp8", torch.float8_e4m3fnuz: "_fp8_fnuz"}.get(kv_dtype, "")
+    if fp8_suffix and kernel != "auto":
+        fp8_suffix += f"_{kernel}"
     suffix = ("_l2" + fp8_suffix) if l2 else fp8_suffix
     return os.path.join(out, f"mla_decode_{datetime.date.today().isoformat()}{suffix}.json")
 
@@ -348,7 +355,7 @@ def main() -> None:
                   "torch": torch.__version__, "triton": triton.__version__,
                   "l2_ceiling": l2_ceiling(kernel_name(args.kernel, kv_dtype), kv_dtype)}
         if args.out:
-            with open(out_path(args.out, kv_dtype, True), "w") as f:
+            with open(out_path(args.out, kv_dtype, True, args.kernel), "w") as f:
                 json.dump(result, f, indent=1)
         return
     kernel = kernel_name(args.kernel, kv_dtype)
@@ -461,7 +468,7 @@ def main() -> None:
     result["side_by_side_b32_c4096"] = side
 
     if args.out:
-        with open(out_path(args.out, kv_dtype, False), "w") as f:
+        with open(out_path(args.out, kv_dtype, False, args.kernel), "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -42,7 +42,7 @@ from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
 from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
-                                wgmma_supported)
+                                mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -60,6 +60,11 @@ INTERPRETER_SMS = 4
 FP8_MAX_SCALE_TILES = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
+#: Whether ``kernel="auto"`` takes the Hopper kernel for fp8 rows too (:func:`~.mla_decode_hopper.
+#: mla_decode_stage1_wgmma_fp8`). False until a GPU run has checked it (tests/gpu/test_mla_decode_fp8_gpu.py)
+#: and timed it faster than the portable fp8 kernel (``bench_mla_decode.py --kv-dtype fp8_e4m3 --kernel
+#: wgmma`` beside the ``--kernel auto`` run); ``kernel="wgmma"`` runs it either way.
+FP8_AUTO_WGMMA = False
 
 _LOG2E = 1.4426950408889634
 
@@ -523,8 +528,9 @@ def mla_decode_triton(
         kernel: stage-1 form, one of :data:`KERNELS` (default: the ``UNIMEM_MLA_DECODE_KERNEL``
             environment variable, :func:`unimem_compile.env.mla_decode_kernel`, else "auto"). "auto" takes
             the Hopper TMA + wgmma kernel where :func:`~.mla_decode_hopper.wgmma_supported` says it applies
-            (sm_90, bf16/fp16, page size a multiple of 64, R 512, Dr 64) and the portable Triton kernel
-            elsewhere; "wgmma" raises ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
+            (sm_90, bf16/fp16 or e4m3fn/e4m3fnuz rows, page size a multiple of 64, R 512, Dr 64; for fp8
+            rows only when :data:`FP8_AUTO_WGMMA`) and the portable Triton kernel elsewhere; "wgmma" raises
+            ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
             ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a ``wgmma_stages``-deep TMA ring) and its
             default split count assumes one resident program per SM.
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
@@ -532,8 +538,12 @@ def mla_decode_triton(
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
-    An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs the portable
-    form's fp8 split kernel (``kernel="wgmma"`` raises; the knobs apply as to the portable kernel): it reads
+    An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs, with
+    ``kernel="wgmma"`` (or "auto" when :data:`FP8_AUTO_WGMMA` is switched on), the Hopper fp8 kernel
+    (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`: the rows dequantised once to the bf16 values
+    :func:`mla_decode_reference` reads, then the bf16 Hopper kernel's products; its knobs as for bf16 rows,
+    ``wgmma_early_refill`` ignored), and otherwise the portable form's fp8 split kernel (the knobs apply as
+    to the portable kernel): it reads
     each row's fp8 codes, fp32 scales and bf16 rope (656 bytes at R 512, Dr 64, not 1152), converts the
     codes exactly to the dot dtype (bf16 for 16-bit queries, fp32 for fp32 ones; :func:`fp8_hw_conversion`
     says how) and applies each 128-value tile's scale after the dot it factors out of (per (head, token)
@@ -579,8 +589,8 @@ def mla_decode_triton(
         raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
     fits_wgmma = wgmma_supported(q_nope.device, kv_dtype, page_size, kv_lora_rank, qk_rope_head_dim)
     if kernel == "wgmma" and not fits_wgmma:
-        raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU, bf16/fp16 KV, page_size % 64 == 0, "
-                         f"kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
+        raise ValueError(f"{op}: the wgmma kernel needs an sm_90 GPU, bf16/fp16/e4m3fn/e4m3fnuz KV, page_size % 64 "
+                         f"== 0, kv_lora_rank 512 and qk_rope_head_dim 64; got device {q_nope.device}, "
                          f"{kv_dtype}, page_size {page_size}, kv_lora_rank {kv_lora_rank}, "
                          f"qk_rope_head_dim {qk_rope_head_dim}")
     if fits_wgmma and arena.data_ptr() % 16:  # TMA needs a 16-byte aligned base (a view into a bigger buffer)
@@ -588,7 +598,7 @@ def mla_decode_triton(
             raise ValueError(f"{op}: the wgmma kernel needs a 16-byte aligned arena (TMA); its data starts at "
                              f"address {arena.data_ptr():#x}")
         fits_wgmma = False
-    use_wgmma = fits_wgmma and kernel != "portable"
+    use_wgmma = fits_wgmma and (kernel == "wgmma" or (kernel == "auto" and (FP8_AUTO_WGMMA or not g.quantized)))
     if g.quantized and g.row_format.num_scales > FP8_MAX_SCALE_TILES:
         # the fp8 kernel holds one accumulator per scale tile; no model we serve has a wider latent
         return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
@@ -621,17 +631,24 @@ def mla_decode_triton(
         part_o = part_lse = out  # unused by the kernel when there is one split
     if use_wgmma:
         try:
-            mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p, page_table,
-                                    kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
-                                    layer * page_size, page_size, layer_num, splits, block_h, stages=wgmma_stages,
-                                    early_refill=wgmma_early_refill)
+            if g.quantized:
+                mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows.view(n_rows, g.row_bytes), g.row_format, v2p,
+                                            page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
+                                            P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
+                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages)
+            else:
+                mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
+                                        page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
+                                        layer * page_size, page_size, layer_num, splits, block_h,
+                                        stages=wgmma_stages, early_refill=wgmma_early_refill)
         except triton.compiler.errors.CompilationError as e:
             # Gluon is an experimental API: a Triton whose Gluon no longer compiles this kernel costs speed,
             # not the call. "auto" falls back for the rest of the process (one warning); "wgmma" raises.
             if kernel == "wgmma":
                 raise
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}")
+            disable_wgmma(f"{type(e).__name__}: {getattr(e, 'error_message', None) or (lines[-1] if lines else '')}",
+                          fp8=g.quantized)
             return mla_decode_triton(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *geometry,
                                      num_splits=num_splits,
                                      block_n=None, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
@@ -703,7 +720,8 @@ def mla_decode(
         layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype: the MLA geometry (R = kv_lora_rank,
             Dr = qk_rope_head_dim); kv_dtype bf16, fp16, fp32, or e4m3fn / e4m3fnuz (scaled fp8 rows: the
             reference, which CPU tensors run, reads the bf16 values ``mla_gather`` returns; CUDA tensors run
-            the fp8 split kernel over the exact ``code x scale`` values, see :func:`mla_decode_triton`).
+            the fp8 split kernel over the exact ``code x scale`` values, or the Hopper fp8 kernel over the
+            bf16 values, see :func:`mla_decode_triton`).
 
     Returns:
         ``[B, H, R]`` contiguous in q's dtype: ``softmax(scores) @ kv[:, :R]`` per row and head, zeros for

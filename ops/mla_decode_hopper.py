@@ -24,7 +24,11 @@ run) into a ring of ``STAGES`` buffers with one mbarrier each, so tile ``j + 1``
 wgmma groups retire in order), which measured 3.6-5.5% faster than refilling after the last product at
 batch >= 32 on an H200 (benchmarks/RESULTS.md).
 
-Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 KV, ``page_size % 64 == 0`` (a 64-token tile is
+Scaled fp8 rows (e4m3fn / e4m3fnuz, 656 bytes at R 512, Dr 64) have a form of their own,
+:func:`mla_decode_stage1_wgmma_fp8`: the same products, softmax and epilogue (shared helpers), on bf16 values
+dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why).
+
+Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 or e4m3 KV, ``page_size % 64 == 0`` (a 64-token tile is
 one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
 ``qk_rope_head_dim == 64``: the geometry of Kimi-Linear and DeepSeek-V2/V3. Everything
 else, and the CPU interpreter, uses the portable kernel. The merge (stage 2) is the portable kernel's.
@@ -42,6 +46,10 @@ import warnings
 import torch
 import triton
 
+from unimem_compile.pool.specs import FP8_KV_DTYPES, FP8_TILE, MLARowFormat
+
+from . import fp8
+
 try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any import problem means "not here"
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -55,8 +63,8 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any import p
 except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the portable kernel serves
     gluon = None
 
-__all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES",
-           "WGMMA_EARLY_REFILL"]
+__all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "mla_decode_stage1_wgmma_fp8", "fp8_row_descriptors",
+           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL"]
 
 #: Tokens per tile (one TMA box of rows; wgmma M).
 WGMMA_BLOCK_N = 64
@@ -72,26 +80,34 @@ WGMMA_EARLY_REFILL = True
 
 #: Why the wgmma kernel was turned off in this process (None: it is not): set by :func:`disable_wgmma`.
 WGMMA_DISABLED: str | None = None
+#: The same for the fp8 form (:func:`mla_decode_stage1_wgmma_fp8`), which fails or compiles on its own.
+WGMMA_FP8_DISABLED: str | None = None
 
 
-def disable_wgmma(reason: str) -> None:
-    """Stop using the wgmma kernel in this process (``mla_decode`` calls it when this Triton's Gluon fails to
-    compile the kernel); warns once with ``reason``."""
-    global WGMMA_DISABLED
-    if WGMMA_DISABLED is None:
-        warnings.warn(f"unimem mla_decode: the Hopper (Gluon) kernel does not compile with triton "
-                      f"{triton.__version__} ({reason}); using the portable Triton kernel from now on",
+def disable_wgmma(reason: str, *, fp8: bool = False) -> None:
+    """Stop using the wgmma kernel (``fp8``: its fp8 form) in this process (``mla_decode`` calls it when this
+    Triton's Gluon fails to compile the kernel); warns once with ``reason``."""
+    global WGMMA_DISABLED, WGMMA_FP8_DISABLED
+    if (WGMMA_FP8_DISABLED if fp8 else WGMMA_DISABLED) is None:
+        warnings.warn(f"unimem mla_decode: the Hopper (Gluon) {'fp8 ' if fp8 else ''}kernel does not compile with "
+                      f"triton {triton.__version__} ({reason}); using the portable Triton kernel from now on",
                       RuntimeWarning, stacklevel=3)
-    WGMMA_DISABLED = reason
+    if fp8:
+        WGMMA_FP8_DISABLED = reason
+    else:
+        WGMMA_DISABLED = reason
 
 
 def wgmma_supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, kv_lora_rank: int,
                     qk_rope_head_dim: int) -> bool:
-    """True when :func:`mla_decode_stage1_wgmma` can serve this geometry on ``device`` (see module doc) and
-    it has not been turned off in this process (:data:`WGMMA_DISABLED`)."""
-    if gluon is None or WGMMA_DISABLED is not None or device.type != "cuda" or not _is_sm90(device.index):
+    """True when :func:`mla_decode_stage1_wgmma` (bf16/fp16 KV) or :func:`mla_decode_stage1_wgmma_fp8`
+    (e4m3fn / e4m3fnuz rows) can serve this geometry on ``device`` (see module doc) and it has not been turned
+    off in this process (:data:`WGMMA_DISABLED`, :data:`WGMMA_FP8_DISABLED`)."""
+    quantized = kv_dtype in FP8_KV_DTYPES
+    if (gluon is None or (WGMMA_FP8_DISABLED if quantized else WGMMA_DISABLED) is not None or device.type != "cuda"
+            or not _is_sm90(device.index)):
         return False
-    return (kv_dtype in (torch.bfloat16, torch.float16) and page_size % WGMMA_BLOCK_N == 0
+    return ((quantized or kv_dtype in (torch.bfloat16, torch.float16)) and page_size % WGMMA_BLOCK_N == 0
             and kv_lora_rank == 8 * _CHUNK and qk_rope_head_dim == _CHUNK)
 
 
@@ -132,6 +148,70 @@ if gluon is not None:
             _tma_load(kv_desc, [row0, c * CHUNK], bar, kv_smem.index(stage * NCH + c))
 
     @gluon.jit
+    def _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N: gl.constexpr):
+        # tokens [start, end) of split s of row b and its tile count: the portable kernel's _split_bounds
+        n = gl.minimum(gl.maximum(gl.load(kv_len_ptr + b), 0), max_tokens)
+        split_len = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+        start = s * split_len
+        end = gl.maximum(gl.minimum(start + split_len, n), start)
+        return start, end, gl.cdiv(end - start, BLOCK_N)
+
+    @gluon.jit
+    def _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld: gl.constexpr, kv_ty: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr,
+                       CHUNK: gl.constexpr):
+        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
+        offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
+        h_ok = (offs_h < H)[:, None]
+        qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
+        for c in gl.static_range(NC):
+            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
+        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        fence_async_shared()
+
+    @gluon.jit
+    def _softmax_to_shared(sacc, t_ok, qk_scale, m_i, l_i, p_smem):
+        # one tile of the online softmax over the raw scores S^T [64 tokens, heads] (tokens not t_ok excluded;
+        # base 2: qk_scale carries log2(e)); the probabilities go to p_smem for the value product. Returns the
+        # factor [1, heads] that rescales what was accumulated before, and the new running max and sum.
+        scores = gl.where(t_ok[:, None], sacc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(scores - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        return alpha[None, :], m_new, l_i
+
+    @gluon.jit
+    def _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                  head_l: gl.constexpr, num_warps: gl.constexpr, CHUNK: gl.constexpr):
+        # O^T chunks / l -> [heads, R] rows (value columns contiguous): the split's partial and its base-2
+        # log-sum-exp, or (one split) the output
+        l_safe = gl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
+        inv = (1.0 / l_safe)[None, :]
+        st_l: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])  # [64 cols, heads], cols fastest
+        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, st_l))
+        offs_hs = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, st_l))
+        hs_ok = (offs_hs < H)[None, :]
+        if SPLIT:
+            if start < end:  # an unused split stores nothing: the merge reads only the splits holding tokens
+                slot = (b.to(gl.int64) * num_splits + s) * H + offs_hs
+                dst = part_o_ptr + slot[None, :] * R + offs_r[:, None]
+                _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                              part_o_ptr.dtype.element_ty, CHUNK)
+                offs_hl = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
+                slot_l = (b.to(gl.int64) * num_splits + s) * H + offs_hl
+                gl.store(part_lse_ptr + slot_l, m_i + gl.log2(l_safe), mask=offs_hl < H)
+        else:
+            dst = out_ptr + (b.to(gl.int64) * H + offs_hs[None, :]) * R + offs_r[:, None]
+            _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
+                          out_ptr.dtype.element_ty, CHUNK)
+
+    @gluon.jit
     def _mla_decode_wgmma_kernel(
         kv_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr, part_lse_ptr, out_ptr,
         qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
@@ -148,12 +228,7 @@ if gluon is not None:
         s = gl.program_id(2)
         kv_ty: gl.constexpr = kv_desc.dtype
 
-        # split bounds: as the portable kernel's _split_bounds with BLOCK_N = 64
-        n = gl.minimum(gl.maximum(gl.load(kv_len_ptr + b), 0), max_tokens)
-        split_len = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-        start = s * split_len
-        end = gl.maximum(gl.minimum(start + split_len, n), start)
-        num_tiles = gl.cdiv(end - start, BLOCK_N)
+        start, end, num_tiles = _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
 
         # layouts: wgmma accumulators [64, BLOCK_H] (tokens or value columns along M, heads along N)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -178,16 +253,8 @@ if gluon is not None:
                 _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, start + i * BLOCK_N, num_pages,
                             layer_rows, i, PS, L, NCH, CHUNK)
 
-        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
-        offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
-        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
-        h_ok = (offs_h < H)[:, None]
-        qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
-        for c in gl.static_range(NC):
-            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
-        qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
-        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
-        fence_async_shared()
+        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld, kv_ty, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -223,15 +290,7 @@ if gluon is not None:
                 sacc = warpgroup_mma(kv_smem.index(base + c), q_smem.index(c).permute((1, 0)), sacc,
                                      is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
-            scores = gl.where((t0 + offs_t < end)[:, None], sacc * qk_scale, float("-inf"))  # base 2
-            m_new = gl.maximum(m_i, gl.max(scores, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(scores - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            p_smem.store(p.to(kv_ty))
-            fence_async_shared()
-            a2 = alpha[None, :]
+            a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
             acc0 = warpgroup_mma(kv_smem.index(base + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
             acc1 = warpgroup_mma(kv_smem.index(base + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
             acc2 = warpgroup_mma(kv_smem.index(base + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
@@ -266,26 +325,166 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        # epilogue: O^T chunks / l -> [heads, R] rows (value columns contiguous)
-        l_safe = gl.where(l_i > 0, l_i, 1.0)  # kv_len 0: no tile ran, the output is zeros
-        inv = (1.0 / l_safe)[None, :]
-        st_l: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])  # [64 cols, heads], cols fastest
-        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, st_l))
-        offs_hs = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, st_l))
-        hs_ok = (offs_hs < H)[None, :]
-        if SPLIT:
-            if start < end:  # an unused split stores nothing: the merge reads only the splits holding tokens
-                slot = (b.to(gl.int64) * num_splits + s) * H + offs_hs
-                dst = part_o_ptr + slot[None, :] * R + offs_r[:, None]
-                _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
-                              part_o_ptr.dtype.element_ty, CHUNK)
-                offs_hl = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
-                slot_l = (b.to(gl.int64) * num_splits + s) * H + offs_hl
-                gl.store(part_lse_ptr + slot_l, m_i + gl.log2(l_safe), mask=offs_hl < H)
+        _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
+
+    @gluon.jit
+    def _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bar, row0, stage, pred,
+                        NC: gl.constexpr, CHUNK: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr):
+        # the TMA boxes of one 64-token page run of fp8 rows into ring stage `stage`, on one barrier: NC boxes
+        # of [64 rows, 64 codes], the [64, 64] bf16 rope box and the [64, 4] fp32 scale box
+        mbarrier.expect(bar, NC * code_desc.block_type.nbytes + rope_desc.block_type.nbytes
+                        + scale_desc.block_type.nbytes, pred=pred)
+        for c in gl.static_range(NC):
+            _tma_load(code_desc, [row0, c * CHUNK], bar, code_smem.index(stage * NC + c), pred=pred)
+        _tma_load(rope_desc, [row0, ROPE_COL], bar, rope_smem.index(stage), pred=pred)
+        _tma_load(scale_desc, [row0, SCALE_COL], bar, scale_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
+                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
+                          FNUZ: gl.constexpr):
+        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), the value
+        # fp8.dequantize_rows gives (one fp32 product, rounded once), zero for tokens past the end (`keep`
+        # [64, 1]: their bytes may be NaN codes)
+        codes = code_smem.index(stage * NC + c).load(cv)
+        if HW_FP8:
+            values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         else:
-            dst = out_ptr + (b.to(gl.int64) * H + offs_hs[None, :]) * R + offs_r[:, None]
-            _store_chunks(dst, hs_ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l,
-                          out_ptr.dtype.element_ty, CHUNK)
+            values = fp8.fp8_decode(codes, FNUZ)
+        scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
+        kv_smem.index(c).store(gl.where(keep, values * scale, 0.0).to(kv_smem.dtype))
+
+    @gluon.jit
+    def _retire_then_dequantize(acc, outstanding: gl.constexpr, c: gl.constexpr, code_smem, scale_smem, kv_smem,
+                                stage, keep, cv: gl.constexpr, NC: gl.constexpr, CHUNK: gl.constexpr,
+                                SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
+        # wait until value product c (and those before it: wgmma groups retire in order) released buffer c,
+        # then dequantise the next tile's chunk c into it while the later products still run
+        acc = warpgroup_mma_wait(num_outstanding=outstanding, deps=(acc,))
+        _dequantize_chunk(c, code_smem, scale_smem, kv_smem, stage, keep, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        return acc
+
+    @gluon.jit
+    def _mla_decode_wgmma_fp8_kernel(
+        code_desc, rope_desc, scale_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr,
+        part_lse_ptr, out_ptr,
+        qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
+        R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+        STAGES: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr, SCALE_TILE: gl.constexpr,
+        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # _mla_decode_wgmma_kernel on scaled fp8 rows (see mla_decode_stage1_wgmma_fp8): the ring holds the
+        # rows' codes, rope and scales as TMA brought them; each tile's values are dequantised once into one
+        # bf16 buffer the products read, chunk c as soon as the previous tile's value product c released it
+        BLOCK_N: gl.constexpr = 64
+        CHUNK: gl.constexpr = 64
+        NC: gl.constexpr = R // CHUNK
+        gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
+        g = gl.program_id(0)
+        b = gl.program_id(1)
+        s = gl.program_id(2)
+        kv_ty: gl.constexpr = rope_desc.dtype
+        start, end, num_tiles = _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        head_l: gl.constexpr = gl.SliceLayout(0, mma)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols]
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], kv_ty)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
+
+        code_smem = gl.allocate_shared_memory(code_desc.dtype, [STAGES * NC, BLOCK_N, CHUNK], code_desc.layout)
+        rope_smem = gl.allocate_shared_memory(kv_ty, [STAGES, BLOCK_N, CHUNK], rope_desc.layout)
+        scale_smem = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N, NC * CHUNK // SCALE_TILE],
+                                               scale_desc.layout)
+        kv_smem = gl.allocate_shared_memory(kv_ty, [NC, BLOCK_N, CHUNK], kv_sl)
+        q_smem = gl.allocate_shared_memory(kv_ty, [NC + 1, BLOCK_H, CHUNK], q_sl)
+        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        pt_row_ptr = page_table_ptr + b.to(gl.int64) * stride_pt_b
+        for i in gl.static_range(STAGES):
+            row0 = _tile_row0(pt_row_ptr, v2p_ptr, start + i * BLOCK_N, end, num_pages, layer_rows, PS, L)
+            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(i), row0,
+                            i, i < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
+        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
+        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
+        acc0 = zero
+        acc1 = zero
+        acc2 = zero
+        acc3 = zero
+        acc4 = zero
+        acc5 = zero
+        acc6 = zero
+        acc7 = zero
+        offs_t = gl.arange(0, BLOCK_N, layout=row_l)
+        offs_tl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        # tile 0's values; later tiles' are dequantised at the end of the iteration before theirs
+        mbarrier.wait(bars.index(0), 0, pred=num_tiles > 0)
+        keep = (start + offs_tl < end)[:, None]
+        for c in gl.static_range(NC):
+            _dequantize_chunk(c, code_smem, scale_smem, kv_smem, 0, keep, ld, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        fence_async_shared()
+        for j in range(num_tiles):
+            st = j % STAGES
+            t0 = start + j * BLOCK_N
+            # the refill's two dependent table loads go out before the score product
+            row_next = _tile_row0(pt_row_ptr, v2p_ptr, t0 + STAGES * BLOCK_N, end, num_pages, layer_rows, PS, L)
+            sacc = warpgroup_mma(kv_smem.index(0), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            for c in gl.static_range(1, NC):
+                sacc = warpgroup_mma(kv_smem.index(c), q_smem.index(c).permute((1, 0)), sacc, is_async=True)
+            sacc = warpgroup_mma(rope_smem.index(st), q_smem.index(NC).permute((1, 0)), sacc, is_async=True)
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+            # stage `st` is read (codes and scales dequantised, rope multiplied): refill it with tile j + STAGES
+            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(st),
+                            row_next, st, j + STAGES < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
+            a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
+            acc0 = warpgroup_mma(kv_smem.index(0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
+            acc1 = warpgroup_mma(kv_smem.index(1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
+            acc2 = warpgroup_mma(kv_smem.index(2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
+            acc3 = warpgroup_mma(kv_smem.index(3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
+            acc4 = warpgroup_mma(kv_smem.index(4).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
+            acc5 = warpgroup_mma(kv_smem.index(5).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
+            acc6 = warpgroup_mma(kv_smem.index(6).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
+            acc7 = warpgroup_mma(kv_smem.index(7).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+            # the next tile's values, chunk by chunk as these products release the buffer. After the last tile
+            # there is none: the wait is skipped and the stale stage's values are never read (a runtime `if`
+            # cannot hold the accumulator waits)
+            nst = (j + 1) % STAGES
+            mbarrier.wait(bars.index(nst), ((j + 1) // STAGES) & 1, pred=j + 1 < num_tiles)
+            keep = (t0 + BLOCK_N + offs_tl < end)[:, None]
+            acc0 = _retire_then_dequantize(acc0, 7, 0, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc1 = _retire_then_dequantize(acc1, 6, 1, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc2 = _retire_then_dequantize(acc2, 5, 2, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc3 = _retire_then_dequantize(acc3, 4, 3, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc4 = _retire_then_dequantize(acc4, 3, 4, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc5 = _retire_then_dequantize(acc5, 2, 5, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc6 = _retire_then_dequantize(acc6, 1, 6, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            acc7 = _retire_then_dequantize(acc7, 0, 7, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
+                                           SCALE_TILE, HW_FP8, FNUZ)
+            fence_async_shared()
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
 
     @gluon.jit
     def _store_chunks(dst, ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l: gl.constexpr,
@@ -337,4 +536,100 @@ def mla_decode_stage1_wgmma(q_nope, q_rope, kv2d, v2p, page_table, kv_len, part_
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
         R=R, PS=page_size, L=layer_num, BLOCK_H=block_h, SPLIT=splits > 1, STAGES=stages,
         EARLY_REFILL=early_refill, num_warps=4,
+    )
+
+
+def fp8_row_descriptors(rows: torch.Tensor, fmt: MLARowFormat) -> tuple:
+    """TMA descriptors of the arena's scaled fp8 rows, for :func:`mla_decode_stage1_wgmma_fp8`.
+
+    ``rows`` is uint8 ``[n_rows, fmt.row_bytes]``, contiguous, 16-byte aligned (the arena's whole rows from
+    byte 0). Three views of the same bytes, each a ``[n_rows, row_bytes / itemsize]`` tensor with a row stride
+    of ``row_bytes`` (656 = 41 x 16 bytes at R 512, Dr 64: TMA's global strides must be multiples of 16):
+
+    * the codes, uint8, boxes of ``[64 rows, 64 codes]`` (64 bytes inner, 64-byte swizzled) at column
+      ``64 c``;
+    * the rope, bf16, ``[64, 64]`` boxes (128 bytes, 128-byte swizzled) at column ``rope_offset / 2``;
+    * the scales, fp32, ``[64, num_scales]`` boxes (16 bytes at R 512: TMA's smallest box width, unswizzled) at
+      column ``scale_offset / 4``.
+
+    Rows past ``n_rows`` read as zeros (TMA's out-of-bounds fill).
+
+    Returns:
+        ``(codes, rope, scales)`` descriptors.
+
+    Raises:
+        ValueError: ``rows`` is not such a tensor (the values in the message), or ``fmt`` is not an fp8 row
+            of R 512 and Dr 64 (the kernel's scope).
+    """
+    if not fmt.quantized or fmt.kv_lora_rank != 8 * _CHUNK or fmt.qk_rope_head_dim != _CHUNK:
+        raise ValueError(f"fp8_row_descriptors: the fp8 wgmma kernel reads fp8 rows of kv_lora_rank {8 * _CHUNK} and "
+                         f"qk_rope_head_dim {_CHUNK}; got {fmt}")
+    rb = fmt.row_bytes
+    if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != rb or not rows.is_contiguous()
+            or rows.data_ptr() % 16):
+        raise ValueError(f"fp8_row_descriptors: rows must be contiguous uint8 [n_rows, {rb}] at a 16-byte aligned "
+                         f"address; got {rows.dtype} {tuple(rows.shape)} strides {tuple(rows.stride())} at "
+                         f"{rows.data_ptr():#x}")
+    if rb % 16 or fmt.scale_offset % 4 or fmt.rope_offset % 2 or 4 * fmt.num_scales % 16:
+        raise ValueError(f"fp8_row_descriptors: TMA needs a row of a multiple of 16 bytes and a scale box of a "
+                         f"multiple of 16 bytes; got row_bytes {rb}, {fmt.num_scales} scales at byte "
+                         f"{fmt.scale_offset}, rope at byte {fmt.rope_offset}")
+    n = rows.shape[0]
+    box = [WGMMA_BLOCK_N, _CHUNK]
+
+    def view(dtype: torch.dtype, gl_dtype, block: list[int]) -> "TensorDescriptor":
+        size = rows.element_size() * rb // torch.empty((), dtype=dtype).element_size()
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        return TensorDescriptor(rows.view(dtype), [n, size], [size, 1], block, layout)
+
+    return (view(torch.uint8, gl.uint8, box), view(torch.bfloat16, gl.bfloat16, box),
+            view(torch.float32, gl.float32, [WGMMA_BLOCK_N, fmt.num_scales]))
+
+
+def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, page_table, kv_len, part_o, part_lse, out,
+                                qk_scale: float, max_tokens: int, layer_rows: int, page_size: int, layer_num: int,
+                                splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES) -> None:
+    """Stage 1 on scaled fp8 rows (:class:`~unimem_compile.pool.specs.MLARowFormat`), grid ``(cdiv(H, block_h), B,
+    splits)``: :func:`mla_decode_stage1_wgmma`'s products, softmax and outputs over the values
+    ``bf16(fp32(code) * scale)``, the values :func:`.fp8.dequantize_rows` returns, so the result is the bf16
+    kernel's on the dequantised rows.
+
+    Why dequantise into shared memory (a bf16 tile the products read, the values rounded once) rather than
+    converting the codes unscaled and applying the scales to the scores and probabilities (as the portable
+    fp8 kernel does): the scales factor out per 128 columns, so the score product would need one partial
+    accumulator per scale tile (4 x ``[64, block_h]`` fp32 beside the 8 value accumulators, or a wait and a
+    rescale per tile), and the value product one scaled copy of P per scale tile; scaling while converting
+    costs one multiply per value, keeps both products the bf16 kernel's, and makes the result equal to
+    :func:`~unimem_compile.ops.mla_decode.mla_decode_reference`'s values (what ``mla_gather`` returns).
+
+    Per 64-token tile: TMA brings 8 boxes of codes, the rope box and the scale box (41,984 bytes, one
+    mbarrier) into a ring of ``stages``; the tile's value chunk ``c`` is dequantised into the single bf16
+    value buffer once the previous tile's value product ``c`` has retired (overlapping the products still
+    running), then the score product (8 value chunks + the rope box straight from the ring), after which the
+    ring stage is refilled with tile ``j + stages``. Tokens past the end are zeroed while dequantising (their
+    codes may be NaN), their scores masked to ``-inf``. Shared memory at block_h 32, 2 stages: 2 x 41 KiB ring
+    + 64 KiB values + 36 KiB queries + 4 KiB probabilities = 186 KiB (one program per SM).
+
+    Args:
+        q_nope, q_rope: ``[B, H, 512]`` / ``[B, H, 64]`` queries (bf16/fp16/fp32, last dim contiguous; rounded
+            to bf16 for the products).
+        rows: uint8 ``[n_rows, fmt.row_bytes]``, the arena's whole rows (see :func:`fp8_row_descriptors`).
+        fmt: the row format (an fp8 KV dtype, R 512, Dr 64).
+        hw_fp8: convert codes with the GPU's e4m3 conversion (e4m3fn only); else the integer decoder
+            :func:`.fp8.fp8_decode` (e4m3fnuz: Triton has no e4m3fnuz type on sm_90). Both are exact.
+        stages: ring depth (>= 1).
+        The rest: as :func:`mla_decode_stage1_wgmma`.
+
+    Raises:
+        ValueError: from :func:`fp8_row_descriptors`.
+    """
+    codes, rope, scales = fp8_row_descriptors(rows, fmt)
+    B, H, R = q_nope.shape
+    _mla_decode_wgmma_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
+        codes, rope, scales, q_nope, q_rope, v2p, page_table, kv_len, part_o, part_lse, out,
+        qk_scale, v2p.numel(), max_tokens, layer_rows, H, splits,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
+        R=R, PS=page_size, L=layer_num, BLOCK_H=block_h, SPLIT=splits > 1, STAGES=stages,
+        ROPE_COL=fmt.rope_offset // 2, SCALE_COL=fmt.scale_offset // 4, SCALE_TILE=FP8_TILE,
+        HW_FP8=hw_fp8, FNUZ=fp8.FNUZ[fmt.dtype], num_warps=4,
     )

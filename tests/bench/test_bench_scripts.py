@@ -123,6 +123,12 @@ def test_mla_decode_fp8_targets_and_file_names_of_record(tmp_path):
     assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, False).endswith(f"mla_decode_{day}_fp8.json")
     assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, True).endswith(f"mla_decode_{day}_l2_fp8.json")
     assert bench.out_path(str(tmp_path), bench.torch.bfloat16, True).endswith(f"mla_decode_{day}_l2.json")
+    # an fp8 run of a kernel named on the command line sits beside the auto run; bf16 names are unchanged
+    assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, False, "wgmma").endswith(
+        f"mla_decode_{day}_fp8_wgmma.json")
+    assert bench.out_path(str(tmp_path), bench.torch.float8_e4m3fn, True, "wgmma").endswith(
+        f"mla_decode_{day}_l2_fp8_wgmma.json")
+    assert bench.out_path(str(tmp_path), bench.torch.bfloat16, False, "wgmma").endswith(f"mla_decode_{day}.json")
 
 
 def test_graph_kernel_time_counts_the_kernels_of_graph_replays_only():

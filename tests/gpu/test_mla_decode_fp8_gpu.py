@@ -1,6 +1,9 @@
-"""mla_decode's fp8 split kernel compiled on the GPU at the real Kimi-Linear geometry (7 layers, 512 + 64, 32
-and 16 heads, page sizes 64 and 16, ragged rows up to 3000 tokens), both e4m3 formats (e4m3fn through the
-hardware's fp8 conversion, e4m3fnuz through the integer decoder), bf16 queries:
+"""mla_decode's fp8 kernels compiled on the GPU at the real Kimi-Linear geometry (7 layers, 512 + 64, 32
+and 16 heads, ragged rows up to 3000 tokens on NaN-poisoned pools: histories ending mid-page leave NaN rows
+in their last page, free pages are NaN), both e4m3 formats (e4m3fn through the hardware's fp8 conversion,
+e4m3fnuz through the integer decoder), bf16 queries.
+
+The portable fp8 split kernel (page sizes 64 and 16):
 
 * against float64 attention over the rows' exact values ``fp32(code) * scale`` with the same bf16 queries:
   the kernel rounds each probability-times-scale to bf16 before the value product (relative ``u = 2^-8``
@@ -9,6 +12,14 @@ hardware's fp8 conversion, e4m3fnuz through the integer decoder), bf16 queries:
 * against ``mla_decode_reference`` (bf16-rounded values, fp32 softmax) loosely (the two bounds added);
 * captured in a CUDA graph (as the decode runner replays it): a replay after new queries and lengths
   equals the eager call bit for bit.
+
+The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings):
+
+* bit for bit the bf16 Hopper kernel's result on a bf16 arena holding the dequantised rows
+  (``fp8.dequantize_rows`` of every row, same row indices, same split count): it dequantises exactly those
+  values into shared memory and then runs the same products, softmax and merge in the same order;
+* against float64 attention over the dequantised values (the bound above: bf16 probabilities and output);
+* in a CUDA graph, as above.
 
 Run: ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_mla_decode_fp8_gpu.py``."""
 
@@ -23,6 +34,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("run with TRITON_INTERPRET=0: these tests check the compiled kernels", allow_module_level=True)
 
+from unimem_compile.ops import fp8  # noqa: E402
 from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool  # noqa: E402
 
 md = importlib.import_module("unimem_compile.ops.mla_decode")
@@ -44,7 +56,7 @@ class Rows:
         pages = self.pool.alloc_pages(sum(per_row))
         pages = torch.tensor(pages)[torch.randperm(len(pages))].tolist()
         self.page_table = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
-        self.exact, start = [], 0
+        self.exact, self.dequantised, start = [], [], 0
         for b, n in enumerate(lens):
             mine = pages[start: start + per_row[b]]
             start += per_row[b]
@@ -61,9 +73,17 @@ class Rows:
             scale = stored[:, self.fmt.scale_offset: self.fmt.rope_offset].contiguous().view(torch.float32).double()
             rope = stored[:, self.fmt.rope_offset: self.fmt.rope_offset + 2 * DR].contiguous().view(torch.bfloat16)
             self.exact.append(torch.cat([codes * scale.repeat_interleave(128, 1), rope.double()], 1))
+            self.dequantised.append(fp8.dequantize_rows(stored, self.fmt).double())
         self.page_table = self.page_table.cuda()
         self.kv_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.geometry = (LAYER, L, ps, R, DR, fmt)
+
+    def bf16_arena(self):
+        """A bf16 arena of the same page envelope holding every row dequantised (poisoned rows stay NaN)."""
+        f = self.fmt
+        n_rows = self.pool.arena.numel() // f.row_bytes
+        rows = self.pool.arena[: n_rows * f.row_bytes].view(n_rows, f.row_bytes)
+        return fp8.dequantize_rows(rows, f).view(torch.uint8).reshape(-1)
 
     def args(self, q_nope, q_rope, kv_len=None):
         return (q_nope, q_rope, self.pool.arena, self.pool.v2p, self.page_table,
@@ -110,3 +130,58 @@ def test_fp8_kernel_replays_in_a_cuda_graph(fmt):
     kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
     graph.replay()
     assert torch.equal(out, torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len)))
+
+
+WGMMA_CASES = [(32, [3000, 1, 0, 777, 64, 2049]), (16, [1000, 37, 513, 64])]
+
+
+def _queries(batch, heads, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(batch, heads, R, device="cuda", generator=g).bfloat16(),
+            torch.randn(batch, heads, DR, device="cuda", generator=g).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads, lens", WGMMA_CASES)
+def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(fmt, heads, lens):
+    rows = Rows(fmt, 64, lens, seed=heads + 3)
+    q_nope, q_rope = _queries(len(lens), heads, seed=9)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma")
+    bf16 = list(rows.args(q_nope, q_rope))
+    bf16[2], bf16[-1] = rows.bf16_arena(), torch.bfloat16
+    want = md.mla_decode_triton(*bf16, kernel="wgmma")
+    assert bool(got.isfinite().all())  # no NaN row past a history's end nor a free page was read
+    assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads, lens", WGMMA_CASES)
+def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_bf16_roundings(fmt, heads, lens):
+    rows = Rows(fmt, 64, lens, seed=heads + 5)
+    q_nope, q_rope = _queries(len(lens), heads, seed=10)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma").double().cpu()
+    for b, values in enumerate(rows.dequantised):
+        values = values.cpu()
+        if values.shape[0] == 0:
+            assert not bool(got[b].any())
+            continue
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ values.T * SCALE, -1) @ values[:, :R]
+        vmax = float(values[:, :R].abs().max())
+        bound = 1.1 * U * (vmax + want.abs()) + 1e-5 * vmax  # bf16 probabilities and output, fp32 sums
+        assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt):
+    rows = Rows(fmt, 64, [1500, 700, 64, 3], seed=12)
+    q_nope, q_rope = _queries(4, 32, seed=11)
+    kv_len = rows.kv_len.clone()
+    out = md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma")  # compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma")
+    q_nope.copy_(_queries(4, 32, seed=13)[0])
+    kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(out, md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma"))

@@ -132,3 +132,89 @@ def test_fp8_kernel_choices():
     # the integer decoder elsewhere (e4m3fnuz everywhere: sm_90 Triton has no e4m3fnuz conversion)
     cpu = torch.device("cpu")
     assert md.fp8_hw_conversion(cpu, torch.float8_e4m3fn) and not md.fp8_hw_conversion(cpu, torch.float8_e4m3fnuz)
+
+
+class _Launched(Exception):
+    """Raised by the stand-in for the Hopper fp8 launcher: the CPU can check what it was handed, not run it."""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(fmt, gen, monkeypatch):
+    from unimem_compile.ops import mla_decode_hopper as hop
+
+    rows = Fp8Rows(fmt, 512, 64, 64, [70, 3], gen)
+    q_nope, q_rope = torch.randn(2, H, 512, generator=gen), torch.randn(2, H, 64, generator=gen)
+    args = rows.args(q_nope, q_rope)
+    with pytest.raises(ValueError, match=r"wgmma kernel needs an sm_90 GPU, bf16/fp16/e4m3fn/e4m3fnuz KV.*got device "
+                                         rf"cpu, {fmt}, page_size 64, kv_lora_rank 512, qk_rope_head_dim 64"):
+        md.mla_decode_triton(*args, kernel="wgmma")
+    want = md.mla_decode_triton(*args, kernel="portable")
+    calls = []
+
+    def launched(q_n, q_r, kv_rows, row_format, *rest, **kw):
+        calls.append((kv_rows, row_format, rest, kw))
+        raise _Launched
+
+    monkeypatch.setattr(md, "wgmma_supported", lambda *a: True)
+    monkeypatch.setattr(md, "mla_decode_stage1_wgmma_fp8", launched)
+    assert not md.FP8_AUTO_WGMMA  # until a GPU run has checked and timed it (docs/ops.md)
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # auto: the portable fp8 kernel
+    assert not calls
+    with pytest.raises(_Launched):
+        md.mla_decode_triton(*args, kernel="wgmma", num_splits=3)
+    kv_rows, row_format, rest, kw = calls[0]
+    n_rows = rows.pool.arena.numel() // 656
+    assert kv_rows.dtype == torch.uint8 and tuple(kv_rows.shape) == (n_rows, 656)
+    assert kv_rows.data_ptr() == rows.pool.arena.data_ptr() and row_format == rows.fmt
+    # qk_scale (base 2), max_tokens, layer_rows, page_size, layer_num, splits, block_h
+    assert rest[6:] == (pytest.approx(SCALE * 1.4426950408889634), 2 * 64, LAYER * 64, 64, L, 3, 16)
+    assert kw == {"hw_fp8": fmt == torch.float8_e4m3fn, "stages": hop.WGMMA_STAGES}
+    monkeypatch.setattr(md, "FP8_AUTO_WGMMA", True)
+    with pytest.raises(_Launched):
+        md.mla_decode_triton(*args)
+    assert len(calls) == 2
+
+
+def test_an_fp8_kernel_gluon_cannot_compile_falls_back_without_turning_off_the_bf16_one(gen, monkeypatch):
+    import triton.compiler.errors
+
+    from unimem_compile.ops import mla_decode_hopper as hop
+
+    rows = Fp8Rows(torch.float8_e4m3fn, 512, 64, 64, [65], gen)
+    args = rows.args(torch.randn(1, H, 512, generator=gen), torch.randn(1, H, 64, generator=gen))
+    want = md.mla_decode_triton(*args, kernel="portable")
+
+    def broken(*a, **k):
+        raise triton.compiler.errors.CompilationError(None, None, "no such layout")
+
+    monkeypatch.setattr(hop, "WGMMA_DISABLED", None)
+    monkeypatch.setattr(hop, "WGMMA_FP8_DISABLED", None)
+    monkeypatch.setattr(md, "FP8_AUTO_WGMMA", True)
+    monkeypatch.setattr(md, "wgmma_supported", lambda *a: hop.WGMMA_FP8_DISABLED is None)
+    monkeypatch.setattr(md, "mla_decode_stage1_wgmma_fp8", broken)
+    with pytest.warns(RuntimeWarning, match="Hopper .Gluon. fp8 kernel does not compile .*no such layout"):
+        got = md.mla_decode_triton(*args)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert hop.WGMMA_FP8_DISABLED is not None and hop.WGMMA_DISABLED is None
+
+
+def test_fp8_row_descriptors_are_three_views_of_the_656_byte_rows_and_refuse_what_tma_cannot_read():
+    from unimem_compile.ops import mla_decode_hopper as hop
+
+    if hop.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    fmt = MLASpec(L, 512, 64, torch.float8_e4m3fnuz).row_format
+    rows = torch.zeros(300, 656, dtype=torch.uint8)
+    codes, rope, scales = hop.fp8_row_descriptors(rows, fmt)
+    for d, width, box, swizzle in ((codes, 656, [64, 64], 64), (rope, 328, [64, 64], 128), (scales, 164, [64, 4], 0)):
+        assert d.base.data_ptr() == rows.data_ptr()
+        assert list(d.shape) == [300, width] and list(d.strides) == [width, 1] and list(d.block_shape) == box
+        assert d.layout.swizzle_byte_width == swizzle
+    assert (codes.base.dtype, rope.base.dtype, scales.base.dtype) == (torch.uint8, torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match=r"rows must be contiguous uint8 \[n_rows, 656\].*got torch.uint8 \(300, 640\)"):
+        hop.fp8_row_descriptors(torch.zeros(300, 640, dtype=torch.uint8), fmt)
+    shifted = torch.zeros(300 * 656 + 16, dtype=torch.uint8)[1: 1 + 300 * 656].view(300, 656)
+    with pytest.raises(ValueError, match=r"16-byte aligned address; got .* at 0x[0-9a-f]*[1-9a-f]$"):
+        hop.fp8_row_descriptors(shifted, fmt)
+    with pytest.raises(ValueError, match=r"kv_lora_rank 512 and qk_rope_head_dim 64; got .*kv_lora_rank=256"):
+        hop.fp8_row_descriptors(rows, MLASpec(L, 256, 64, torch.float8_e4m3fn).row_format)

@@ -1,6 +1,8 @@
-"""The Hopper (Gluon) mla_decode kernel compiled for sm_90 on the CPU machine: CI has no GPU and Gluon no
-interpreter, so this is what catches a Triton whose Gluon no longer builds the kernel, or a change that
-loses its shape (its numerics and speed are checked on the GPU: tests/gpu/test_mla_decode_gpu.py).
+"""The Hopper (Gluon) mla_decode kernels (bf16 rows and scaled fp8 rows) compiled for sm_90 on the CPU machine:
+CI has no GPU and Gluon no interpreter, so this is what catches a Triton whose Gluon no longer builds a kernel,
+or a change that loses its shape (numerics and speed are checked on the GPU: tests/gpu/test_mla_decode_gpu.py,
+tests/gpu/test_mla_decode_fp8_gpu.py). Registers and stack bytes come from the cubin Triton built
+(``cuobjdump -res-usage``), the instruction counts from its PTX and SASS.
 
 Triton's ahead-of-time entry (``triton.compile`` on a Gluon source for ``GPUTarget("cuda", 90, 32)``) needs
 no driver. It runs in a child process: the test session sets ``TRITON_INTERPRET=1`` for the portable
@@ -44,14 +46,52 @@ def compile_variant(**overrides):
             "mma_sync": ptx.count("mma.sync"), "shared": k.metadata.shared,
             "waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
 
+def compile_fp8_variant(**overrides):
+    import os, subprocess, tempfile
+    from unimem_compile.pool.specs import MLARowFormat
+    kern = hop._mla_decode_wgmma_fp8_kernel
+    fmt = MLARowFormat(512, 64, torch.float8_e4m3fn)  # the descriptors' types are the same for e4m3fnuz rows
+    descs = hop.fp8_row_descriptors(torch.empty(256, fmt.row_bytes, dtype=torch.uint8), fmt)
+    types = dict(code_desc=mangle_type(descs[0]), rope_desc=mangle_type(descs[1]), scale_desc=mangle_type(descs[2]),
+                 q_nope_ptr="*bf16", q_rope_ptr="*bf16", v2p_ptr="*i64", page_table_ptr="*i32", kv_len_ptr="*i32",
+                 part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
+    consts = dict(R=512, PS=64, L=7, BLOCK_H=32, SPLIT=True, STAGES=2, ROPE_COL=fmt.rope_offset // 2,
+                  SCALE_COL=fmt.scale_offset // 4, SCALE_TILE=128, HW_FP8=True, FNUZ=False, num_warps=4)
+    consts.update(overrides)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
+    src = GluonASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = k.asm["ptx"]
+    out = {"tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
+           "mma_sync": ptx.count("mma.sync"), "cvt_e4m3": ptx.count("e4m3x2"), "shared": k.metadata.shared,
+           "waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    out["registers"] = int(re.search(r"REG:(\d+)", res).group(1))
+    out["stack"] = int(re.search(r"STACK:(\d+)", res).group(1))
+    out["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
+    out["utmaldg"] = len(re.findall(r"\bUTMALDG\b", sass))
+    return out
+
 variants = json.loads(sys.argv[1])
-print("RESULT " + json.dumps({name: compile_variant(**kw) for name, kw in variants.items()}), flush=True)
+print("RESULT " + json.dumps({name: (compile_fp8_variant if name.startswith("fp8") else compile_variant)(**kw)
+                              for name, kw in variants.items()}), flush=True)
 '''
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    variants = {"default": {}, "late_refill": {"EARLY_REFILL": False}, "h16": {"BLOCK_H": 16, "SPLIT": False}}
+    variants = {"default": {}, "late_refill": {"EARLY_REFILL": False}, "h16": {"BLOCK_H": 16, "SPLIT": False},
+                # the fp8 form: e4m3fn through the hardware conversion at 32 heads, e4m3fnuz through the integer
+                # decoder at 16 (each compile costs CI ~6 s: two cover both formats and both head blockings)
+                "fp8_e4m3fn": {}, "fp8_e4m3fnuz_h16": {"HW_FP8": False, "FNUZ": True, "BLOCK_H": 16, "SPLIT": False}}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))  # a real compile, not a cache hit
     done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(variants)], env=env, capture_output=True,
@@ -74,3 +114,24 @@ def test_the_kernel_compiles_to_tma_loads_and_wgmma_with_its_ring_in_shared_memo
 def test_the_refill_after_all_products_and_sixteen_head_groups_compile_too(compiled):
     assert compiled["late_refill"]["waits"] == [0] and compiled["late_refill"]["tma"] == 27
     assert compiled["h16"]["wgmma"] == 68 and compiled["h16"]["shared"] < 184 * 1024
+
+
+def test_the_fp8_kernel_compiles_to_tma_loads_and_wgmma_from_shared_memory_at_both_head_blockings(compiled):
+    for name in ("fp8_e4m3fn", "fp8_e4m3fnuz_h16"):
+        k = compiled[name]
+        # 10 boxes per tile (8 of codes, the rope, the scales): 2 tiles in the prologue + 1 per refill
+        assert k["tma"] == 30 and k["utmaldg"] == 30, (name, k)
+        assert k["wgmma"] == 68 and k["hgmma"] == 68, (name, k)  # the bf16 kernel's products, from shared memory
+        assert k["mma_sync"] == 0, (name, k)
+        assert k["waits"] == list(range(8)), (name, k)  # dequantising chunk c waits for value product c only
+        assert k["registers"] <= 255, (name, k)
+    # e4m3fn converts with cvt.rn.f16x2.e4m3x2 (one per pair of codes); e4m3fnuz has no such type on sm_90
+    assert compiled["fp8_e4m3fn"]["cvt_e4m3"] > 0 and compiled["fp8_e4m3fnuz_h16"]["cvt_e4m3"] == 0
+    # ring 2 x (32 KiB codes + 8 KiB rope + 1 KiB scales) + 64 KiB values + 36 KiB queries + 4 KiB probabilities
+    assert 186 * 1024 <= compiled["fp8_e4m3fn"]["shared"] <= 190 * 1024
+    assert compiled["fp8_e4m3fnuz_h16"]["shared"] < 186 * 1024
+    # at 32 heads the 8 value accumulators take 128 registers: the rest spills a few loop-invariant shared-memory
+    # descriptors (136 bytes for e4m3fn, 144 for e4m3fnuz on Triton 3.9; the portable fp8 kernel spills 592); 16
+    # heads spill nothing
+    assert compiled["fp8_e4m3fn"]["stack"] <= 160
+    assert compiled["fp8_e4m3fnuz_h16"]["stack"] == 0
