@@ -285,6 +285,8 @@ def test_cli_serve_loads_answers_and_exits_0_on_sigterm_after_finishing_its_stre
         text = "".join(json.loads(e)["choices"][0]["text"] for e in [first] + rest[:-1])
         assert text == want
         assert proc.wait(60) == 0
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
