@@ -242,6 +242,11 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
         manager.add_request(p, num_beams=2)
     with pytest.raises(ValueError, match="does not take 'typical_p'"):
         manager.add_request(p, do_sample=True, typical_p=0.5)
+    # none of the refused requests took an automatic id; a caller's id in the sequence's way is skipped
+    late = manager.add_request(p, request_id="req_1", max_new_tokens=6)
+    assert [manager.add_request(p, max_new_tokens=6) for _ in range(2)] == ["req_0", "req_2"]
+    for rid in (late, "req_0", "req_2"):
+        manager.cancel_request(rid)
     forks = model.init_continuous_batching(generation_config=GenerationConfig(do_sample=True, num_return_sequences=2))
     with pytest.raises(ValueError, match="num_return_sequences=2"):
         forks.add_request(p)
@@ -257,16 +262,31 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     full.add_request(p, max_new_tokens=2)
     with pytest.raises(QueueFull, match="1 requests wait already"):
         full.add_request(p, max_new_tokens=2)
+    with pytest.raises(QueueFull):
+        full.add_requests([p], max_new_tokens=2)
     assert full.metrics()["waiting"] == 1
     full.stop(hard_stop=True)  # the queued request is cancelled, not run
     (only,) = drain(full).values()
+    assert only.request_id == "req_0"
     assert only.status == RequestStatus.FAILED and only.error == "cancelled" and only.generated_tokens == []
+    assert small.add_requests([list(range(3, 13))] * 2, max_new_tokens=2) == ["req_0", "req_1"]  # after a refusal
+    small.stop(hard_stop=True)
+    drain(small)
+    lay = model.unimem.pool.layout
     m = manager.metrics()
-    assert (m["waiting"], m["running"], m["budget_bytes"]) == (1, 0, model.unimem.pool.layout.memory_budget)
+    assert (m["waiting"], m["running"], m["budget_bytes"]) == (4, 0, lay.memory_budget)
     results = drain(manager)
     assert results[good].generated_tokens == reference(stock, p, 6)
+    assert {results[r].error for r in (late, "req_0", "req_2")} == {"cancelled"}
     m = manager.metrics()
     assert m["finished"] == 1 and m["generated_tokens"] == 6 and m["kv_bytes"] == m["state_bytes"] == 0
+    # the sink and the tail pad are reported, so the four sides are the arena to the byte
+    assert m["reserved_bytes"] == lay.memory_budget - lay.usable + lay.sink_floor > 0
+    assert m["kv_bytes"] + m["state_bytes"] + m["free_bytes"] + m["reserved_bytes"] == lay.memory_budget
+    q = small.metrics()
+    assert q["reserved_bytes"] == lay.memory_budget - (small.engine.memory.kv_cap_pages * lay.page_bytes
+                                                       + small.engine.memory.state_cap_slots * lay.slot_bytes)
+    assert q["free_bytes"] == small.engine.memory.free_bytes()
     manager.stop()
     with pytest.raises(RuntimeError, match="after stop"):
         manager.add_request(p)

@@ -1,7 +1,8 @@
 """A scripted engine for the HTTP layer's unit tests (the tests of record run the real engine:
 test_openai_live.py). Each request "generates" the UTF-8 bytes of a reply chosen by the test, as
-ByteCodec ids, one token per ``step_s`` on the engine's thread, then EOS if the reply is shorter than
-``max_new_tokens``; so every byte the server returns can be predicted exactly."""
+ByteCodec ids, ``block`` tokens per ``step_s`` on the engine's thread (one update per step, as the real
+engine's decode blocks), then EOS if the reply is shorter than ``max_new_tokens``; so every byte the server
+returns can be predicted exactly."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from unimem_compile.serve.text import ByteCodec
 
 class FakeEngine:
     def __init__(self, reply: str | bytes = "Hello, world!", *, max_seq_len: int = 256, max_queue: int = 64,
-                 step_s: float = 0.002, fail_after: int | None = None):
+                 step_s: float = 0.002, fail_after: int | None = None, block: int = 1):
         self.reply = reply.encode() if isinstance(reply, str) else reply
         self.max_seq_len = max_seq_len
         self.max_queue = max_queue
         self.step_s = step_s
         self.fail_after = fail_after
+        self.block = block
         self.lock = threading.Lock()
         self.live: dict[str, dict] = {}
         self.submitted: list[tuple[list[int], Sampling]] = []
+        self.generated: dict[str, list[int]] = {}  # every request's tokens, kept after it ended
         self.cancelled: list[str] = []
         self.finished: list[str] = []
         self.counter = 0
@@ -38,6 +41,7 @@ class FakeEngine:
             self.counter += 1
             rid = f"fake-{self.counter}"
             self.live[rid] = {"cb": on_update, "tokens": [], "max": sampling.max_new_tokens}
+            self.generated[rid] = self.live[rid]["tokens"]
             self.submitted.append((list(prompt_ids), sampling))
         self.wake.set()
         return rid
@@ -50,8 +54,8 @@ class FakeEngine:
     def metrics(self):
         with self.lock:
             return EngineMetrics(running=len(self.live), waiting=0, kv_bytes=64 * len(self.live),
-                                 state_bytes=32 * len(self.live), free_bytes=4096 - 96 * len(self.live),
-                                 total_bytes=4096, tokens_per_s=1.5, preemptions=3)
+                                 state_bytes=32 * len(self.live), free_bytes=4000 - 96 * len(self.live),
+                                 reserved_bytes=96, total_bytes=4096, tokens_per_s=1.5, preemptions=3)
 
     def close(self, timeout=None):
         self.closed = True
@@ -68,16 +72,16 @@ class FakeEngine:
                 self.wake.clear()
                 continue
             for rid, r in items:
-                k = len(r["tokens"])
-                if self.fail_after is not None and k == self.fail_after:
-                    status, tok = "failed", None
-                elif k < len(self.reply):
-                    tok = self.reply[k] + codec.offset
-                    status = "finished" if k + 1 == r["max"] else "running"
-                else:
-                    tok, status = codec.eos_token_id, "finished"
-                if tok is not None:
-                    r["tokens"].append(tok)
+                status = "running"
+                for _ in range(self.block):
+                    k = len(r["tokens"])
+                    if self.fail_after is not None and k == self.fail_after:
+                        status = "failed"
+                        break
+                    r["tokens"].append(self.reply[k] + codec.offset if k < len(self.reply) else codec.eos_token_id)
+                    if k >= len(self.reply) or k + 1 == r["max"]:
+                        status = "finished"
+                        break
                 with self.lock:
                     if rid not in self.live:
                         continue

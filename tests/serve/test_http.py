@@ -3,6 +3,7 @@ bodies of docs/serve.md, authentication, refusals, SSE framing, stop strings, ch
 same behaviour against the real engine: test_openai_live.py."""
 
 import json
+import logging
 import time
 
 import httpx2 as httpx
@@ -110,6 +111,9 @@ def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
     ({"model": "fake", "prompt": "x", "n": 17}, "n", ["less than or equal to 16"]),
     ({"model": "fake", "prompt": "x", "logprobs": 2}, "logprobs", ["not supported"]),
     ({"model": "fake", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", ["at most 4", "5"]),
+    ({"model": "fake", "prompt": "x", "stop": ""}, "stop", ["an empty stop string;"]),
+    ({"model": "fake", "prompt": "x", "stop": ["ab", ""]}, "stop", ["an empty stop string (stop.1)"]),
+    ({"model": "fake", "prompt": [[5, 6], []]}, "prompt.1", ["empty (0 tokens)"]),
     ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
     ({"prompt": "x"}, "model", ["required"]),
     ({"model": "fake", "prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", ["4", "(3)"]),
@@ -124,13 +128,87 @@ def test_bad_completion_bodies_get_400_naming_the_field_and_numbers(live, body, 
     assert len(engine.submitted) == before  # nothing reached the engine
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("raw, kind", [(b"[]", "array"), (b'"x"', "string"), (b"3", "number"), (b"null", "null"),
+                                       (b"true", "boolean")])
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(live, path, raw, kind):
+    engine, _, server = live
+    before = len(engine.submitted)
+    err = _error(_post(server, path, None, raw=raw), 400)
+    assert err == {"message": f"the request body must be a JSON object, got {kind}", "type": "invalid_request_error",
+                   "param": None, "code": "invalid_value"}
+    assert len(engine.submitted) == before
+
+
+def test_an_empty_prompt_string_is_its_bos_token_and_one_of_no_tokens_is_a_400(live):
+    engine, state, server = live
+    r = _post(server, "/v1/completions", {"model": "fake", "prompt": "", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 1 and engine.submitted[-1][0] == [ByteCodec.bos_token_id]
+    before = len(engine.submitted)
+
+    class NoBos(ByteCodec):  # a tokenizer that adds no special token: "" is no token at all
+        def encode(self, text):
+            return super().encode(text)[1:]
+
+    codec, state.codec = state.codec, NoBos(1024)
+    try:
+        for body, param in (({"model": "fake", "prompt": ""}, "prompt"), ({"model": "fake", "prompt": ["a", ""]},
+                                                                            "prompt.1")):
+            err = _error(_post(server, "/v1/completions", body), 400)
+            assert err["param"] == param and "the prompt is empty (0 tokens)" in err["message"]
+    finally:
+        state.codec = codec
+    assert len(engine.submitted) == before
+
+
+def test_a_stop_string_ends_its_choice_at_the_token_that_completed_it():
+    # eight tokens per update, as a decode block: "STOP" is completed by reply token 20, inside the third update
+    engine = FakeEngine(REPLY * 8, max_seq_len=512, step_s=0.02, block=8)
+    _, server = _server(engine)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        upto = len(REPLY[:REPLY.index("STOP") + 4].encode())
+        assert upto == 20
+        delivered = 0
+        for stop, n_tokens in (("STOP", upto), (["zz", "😀"], len(REPLY[:REPLY.index("😀") + 1].encode()))):
+            whole = client.completions.create(model="fake", prompt="x", max_tokens=400, stop=stop, n=2)
+            chunks = list(client.completions.create(model="fake", prompt="x", max_tokens=400, stop=stop, stream=True,
+                                                    stream_options={"include_usage": True}))
+            chat = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "q"}],
+                                                  max_tokens=400, stop=stop)
+            want = REPLY[:REPLY.index(stop if isinstance(stop, str) else "😀")]
+            assert [c.text for c in whole.choices] == [want] * 2 and chat.choices[0].message.content == want
+            assert {c.finish_reason for c in whole.choices + chat.choices} == {"stop"}
+            assert "".join(c.choices[0].text for c in chunks[:-1]) == want
+            assert chunks[-2].choices[0].finish_reason == "stop"
+            assert (whole.usage.completion_tokens, chunks[-1].usage.completion_tokens,
+                    chat.usage.completion_tokens) == (2 * n_tokens, n_tokens, n_tokens)
+            delivered += 4 * n_tokens
+        # every request was cancelled where its stop string matched, long before max_tokens
+        rids = list(engine.generated)
+        assert len(rids) == 8 and sorted(engine.cancelled) == sorted(rids) and engine.finished == []
+        assert max(len(engine.generated[r]) for r in rids) < 100
+        text = httpx.get(server.url + "/metrics").text
+        assert f"unimem_generation_tokens_total {float(delivered)}\n" in text
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_bad_chat_bodies_and_unknown_model(live):
     _, _, server = live
     err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [{"role": "robot",
                                                                                        "content": "x"}]}), 400)
     assert err["param"] == "messages.0.role" and "'robot'" in err["message"]
     err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": []}), 400)
-    assert err["param"] == "messages"
+    assert err["param"] == "messages" and "at least 1 item" in err["message"]
+    err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+        {"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}), 400)
+    assert err["param"] == "max_completion_tokens" and "(3)" in err["message"] and "(4)" in err["message"]
+    err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+        {"role": "user", "content": "x"}], "stop": [""]}), 400)
+    assert err["param"] == "stop" and "empty stop string" in err["message"]
     err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
         {"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400)
     assert err["param"] == "tools" and err["code"] == "unsupported_parameter"
@@ -230,9 +308,12 @@ def test_health_is_503_until_ready_and_metrics_name_the_engine_figures():
         state.ready = True
         assert httpx.get(server.url + "/health").status_code == 200
         _post(server, "/v1/completions", {"model": "fake", "prompt": "x", "max_tokens": 7}, key=None)
+        assert 'endpoint="/metrics"' not in httpx.get(server.url + "/metrics").text  # counted once answered
         text = httpx.get(server.url + "/metrics").text
         for line in ('unimem_requests_running 0.0', 'unimem_arena_bytes{side="kv"} 0.0',
-                     'unimem_arena_bytes{side="free"} 4096.0', 'unimem_preemptions_total 3.0',
+                     'unimem_arena_bytes{side="free"} 4000.0', 'unimem_arena_bytes{side="reserved"} 96.0',
+                     'unimem_arena_capacity_bytes 4096.0', 'unimem_preemptions_total 3.0',
+                     'unimem_http_requests_total{endpoint="/metrics",status="200"} 1.0',
                      'unimem_engine_tokens_per_second 1.5', 'unimem_server_ready 1.0',
                      'unimem_generation_tokens_total 7.0', 'unimem_prompt_tokens_total 2.0',
                      'unimem_http_requests_total{endpoint="/v1/completions",status="503"} 1.0',
@@ -243,3 +324,41 @@ def test_health_is_503_until_ready_and_metrics_name_the_engine_figures():
     finally:
         server.stop()
         engine.close()
+
+
+def test_shutdown_cuts_a_live_stream_with_one_log_line_and_no_traceback():
+    engine = FakeEngine(REPLY * 40, max_seq_len=2048, step_s=0.02)
+    state = ServerState(model_name="fake", codec=ByteCodec(1024), max_seq_len=2048, engine=engine, ready=True)
+    server = ServerThread(state, shutdown_timeout=0.3)
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    # after the server's construction: uvicorn's logging config replaces the handlers of its loggers
+    loggers = [logging.getLogger(name) for name in ("uvicorn", "unimem_compile.serve")]
+    keep = Keep(logging.INFO)
+    for lg in loggers:
+        lg.addHandler(keep)
+    try:
+        server.start()
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": "x", "max_tokens": 1500, "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(line for line in it if line.startswith("data: {")))
+            server.stop()
+            assert not server.thread.is_alive()  # the server exited well before the reply's 1500 tokens
+            lines += [line for line in it if line.startswith("data: ")]
+    finally:
+        for lg in loggers:
+            lg.removeHandler(keep)
+        engine.close()
+    last = json.loads(lines[-1][len("data: "):])
+    assert last["error"]["code"] == "shutting_down" and "--shutdown-timeout" in last["error"]["message"]
+    assert "data: [DONE]" not in lines
+    assert engine.cancelled == ["fake-1"] and not engine.live
+    assert [r for r in records if r.exc_info or "Traceback" in r.getMessage()] == []
+    cut = [r.getMessage() for r in records if r.name == "unimem_compile.serve"]
+    assert cut == ["POST /v1/completions: cancelled by the server's shutdown (--shutdown-timeout ran out)"]

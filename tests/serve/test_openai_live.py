@@ -50,15 +50,20 @@ def server(model):
     engine.close()
 
 
-def _reference(model, prompt_ids, max_new):
-    """The greedy reply text of ``generate()`` (EOS and what follows dropped)."""
+def _reference_ids(model, prompt_ids, max_new):
+    """The greedy reply tokens of ``generate()`` (EOS and what follows dropped)."""
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
     new = out[0, ids.shape[1]:].tolist()
     if CODEC.eos_token_id in new:
         new = new[:new.index(CODEC.eos_token_id)]
-    return CODEC.decode(new)
+    return new
+
+
+def _reference(model, prompt_ids, max_new):
+    """The greedy reply text of ``generate()``."""
+    return CODEC.decode(_reference_ids(model, prompt_ids, max_new))
 
 
 def _metrics(url):
@@ -68,6 +73,9 @@ def _metrics(url):
         m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    # every scrape: the arena's four sides are its capacity to the byte (float64 holds these sizes exactly)
+    sides = sum(out[f'unimem_arena_bytes{{side="{side}"}}'] for side in ("kv", "state", "free", "reserved"))
+    assert sides == out["unimem_arena_capacity_bytes"], (sides, out["unimem_arena_capacity_bytes"])
     return out
 
 
@@ -83,10 +91,14 @@ def _wait_idle(url, timeout=30):
         time.sleep(0.05)
 
 
-def test_models_lists_the_served_model(server):
+def test_models_lists_the_served_model_and_metrics_the_arena(server, model):
     url = server
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    lay = model.unimem.pool.layout
+    m = _metrics(url)
+    assert m["unimem_arena_capacity_bytes"] == lay.memory_budget
+    assert m['unimem_arena_bytes{side="reserved"}'] == lay.sink_floor + lay.memory_budget - lay.usable > 0
 
 
 def test_streamed_equals_non_streamed_equals_generate(server, model):
@@ -117,11 +129,17 @@ def test_stop_string_trims_the_greedy_text(server, model):
     starts = [i for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2]]
     assert starts, f"no clean two-character stop string in {text!r}"
     stop = text[starts[0]:starts[0] + 2]
+    ids = _reference_ids(model, CODEC.encode(PROMPTS[0]), 24)
+    # the reply's tokens: up to the one whose text completes the stop string (decodes end at a whole character)
+    upto = next(k for k in range(1, len(ids) + 1) if stop in CODEC.decode(ids[:k]))
     for stream in (False, True):
         r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop],
-                                      stream=stream)
-        got = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+                                      stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(r) if stream else None
+        got = "".join(c.choices[0].text for c in chunks[:-1]) if stream else r.choices[0].text
         assert got == text[:text.find(stop)]
+        assert (chunks[-2] if stream else r).choices[0].finish_reason == "stop"
+        assert (chunks[-1] if stream else r).usage.completion_tokens == upto
     _wait_idle(url)  # the request that hit its stop string was cancelled and freed
 
 
@@ -267,6 +285,8 @@ def test_cli_serve_loads_answers_and_exits_0_on_sigterm_after_finishing_its_stre
         text = "".join(json.loads(e)["choices"][0]["text"] for e in [first] + rest[:-1])
         assert text == want
         assert proc.wait(60) == 0
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -66,6 +66,10 @@ def test_a_trace_leaves_no_page_or_slot_behind_and_invariants_hold_every_tick(na
             assert (side.v2p[1:side.n] == -1).all() and (side.p2v[1:side.n] == -1).all()
         a.check_invariants()
     assert system.kv_bytes() == 0 and system.state_bytes() == 0
+    # idle, all is free but each pool's sink and tail pad, which reserved_bytes() reports
+    lays = [pool.layout for pool in system.pools()]
+    assert system.reserved_bytes() == sum(lay.memory_budget - lay.usable + lay.sink_floor for lay in lays) > 0
+    assert system.free_bytes() + system.reserved_bytes() == system.budget == sum(lay.memory_budget for lay in lays)
     # memory use per tick: allocation covers what the running requests need, within the budget
     useful = np.asarray(r.timeline["useful_bytes"])
     allocated = np.asarray(r.timeline["kv_bytes"]) + np.asarray(r.timeline["state_bytes"])

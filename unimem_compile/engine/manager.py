@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import itertools
 import logging
 import threading
 import time
@@ -110,7 +109,7 @@ class ContinuousBatchingManager:
         self._outbox: collections.deque = collections.deque()
         self._results = threading.Condition()
         self._known: dict[str, bool] = {}  # request id -> streaming, until its final result is taken
-        self._counter = itertools.count()
+        self._next_id = 0  # the n of the next automatic id ``req_<n>``, taken only by an accepted request
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -187,8 +186,9 @@ class ContinuousBatchingManager:
         Args:
             input_ids: the prompt (a list of ints, or a 1-D integer tensor), at least one token, each in
                 ``[0, vocab_size)``.
-            request_id: its id (default ``req_<n>``); must not be in use (queued, running, or its final
-                result not taken yet).
+            request_id: its id (default ``req_<n>``, ``n`` counting the accepted requests that took an
+                automatic id: a refused request takes none, and an id a caller chose is skipped); must not be
+                in use (queued, running, or its final result not taken yet).
             max_new_tokens: default: the generation config's (then generate()'s default of 20).
             streaming: every engine step that adds tokens also yields a result (cumulative tokens,
                 status DECODING), the last one FINISHED.
@@ -215,10 +215,12 @@ class ContinuousBatchingManager:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("add_request after stop(): the manager accepts no new requests")
-            if req.rid in self._known:
+            if request_id is not None and req.rid in self._known:
                 raise ValueError(f"request id {req.rid!r} is in use (queued, running, or its result not taken yet)")
             if self.max_queue is not None and len(self._inbox) + self.engine.waiting() >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests wait already (max_queue={self.max_queue}); retry later")
+            if request_id is None:
+                req.rid = self._take_id()
             self._known[req.rid] = bool(streaming)
             self._streaming[req.rid] = bool(streaming)
             self._timestamps[req.rid] = bool(record_timestamps)
@@ -237,12 +239,20 @@ class ContinuousBatchingManager:
             if self.max_queue is not None and len(self._inbox) + self.engine.waiting() + len(built) > self.max_queue:
                 raise QueueFull(f"{len(built)} more requests would exceed max_queue={self.max_queue}")
             for req in built:
+                req.rid = self._take_id()
                 self._known[req.rid] = bool(streaming)
                 self._streaming[req.rid] = bool(streaming)
                 self._timestamps[req.rid] = bool(record_timestamps)
             self._inbox.extend(built)
         self._wake.set()
         return [r.rid for r in built]
+
+    def _take_id(self) -> str:
+        """The next automatic id (caller holds ``_lock``): ``req_<n>``, past any id a caller chose."""
+        while f"req_{self._next_id}" in self._known:
+            self._next_id += 1
+        self._next_id += 1
+        return f"req_{self._next_id - 1}"
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request: its memory is freed at the next step boundary and its result (status FAILED,
@@ -301,14 +311,18 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
         """A snapshot for a server: ``running``, ``waiting`` (requests), ``kv_bytes``, ``state_bytes``,
-        ``free_bytes``, ``budget_bytes`` (arena), ``generated_tokens``, ``tokens_per_s`` (since start),
+        ``free_bytes``, ``reserved_bytes`` (the memory's fixed overheads: sink, tail pad), ``budget_bytes``
+        (arena; exactly the sum of the four before it), ``generated_tokens``, ``tokens_per_s`` (since start),
         ``preemptions``, ``finished``, ``failed``, ``cancelled``, ``steps``, ``decode_steps``, ``peak_rows``."""
         e = self.engine
         m = e.memory
         with self._lock:
             inbox = len(self._inbox)
-        out = {"running": e.running(), "waiting": e.waiting() + inbox, "kv_bytes": m.kv_bytes(),
-               "state_bytes": m.state_bytes(), "free_bytes": m.free_bytes(), "budget_bytes": m.budget}
+        # free from the same two readings as kv and state (the engine may allocate between calls), so the
+        # four sides add up to the budget in every snapshot
+        kv, state, reserved = m.kv_bytes(), m.state_bytes(), m.reserved_bytes()
+        out = {"running": e.running(), "waiting": e.waiting() + inbox, "kv_bytes": kv, "state_bytes": state,
+               "free_bytes": m.budget - reserved - kv - state, "reserved_bytes": reserved, "budget_bytes": m.budget}
         out.update(e.counters)
         elapsed = time.perf_counter() - self._started_at if self._started_at is not None else 0.0
         out["tokens_per_s"] = e.counters["generated_tokens"] / elapsed if elapsed > 0 else 0.0
@@ -414,10 +428,10 @@ class ContinuousBatchingManager:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        if request_id is None:
-            request_id = f"req_{next(self._counter)}"
-        elif not isinstance(request_id, str):
+        # an automatic id is taken only once the request is accepted (add_request), so messages name none
+        if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        label = "the request" if request_id is None else f"request {request_id!r}"
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                            or max_new_tokens <= 0):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -430,15 +444,15 @@ class ContinuousBatchingManager:
         handle = self.model.unimem
         total = len(prompt) + settings.max_new_tokens
         if total > handle.max_seq_len:
-            raise GeometryError(f"request {request_id!r}: a prompt of {len(prompt)} tokens + max_new_tokens="
+            raise GeometryError(f"{label}: a prompt of {len(prompt)} tokens + max_new_tokens="
                                 f"{settings.max_new_tokens} is {total} tokens, more than max_seq_len="
                                 f"{handle.max_seq_len}")
         memory = self.engine.memory
         if not memory.can_ever_hold(total):
-            raise GeometryError(f"request {request_id!r} of {total} tokens ({memory.pages_for(total)} pages of "
+            raise GeometryError(f"{label} of {total} tokens ({memory.pages_for(total)} pages of "
                                 f"{memory.page_size} tokens and one state) never fits this arena of "
                                 f"{memory.budget} bytes ({memory.name})")
-        return EngineRequest(rid=request_id, prompt=prompt, settings=settings, stop_sequences=stop_sequences)
+        return EngineRequest(rid=request_id or "", prompt=prompt, settings=settings, stop_sequences=stop_sequences)
 
     def _settings(self, prompt, max_new_tokens, eos_token_id, overrides: dict, seed) -> RowSettings:
         """The request's RowSettings as generate() would derive them from the manager's config and these

@@ -71,6 +71,10 @@ class MemorySystem(Protocol):
     def free_bytes(self) -> int:
         """Bytes no live page or state holds (fixed overheads excluded)."""
 
+    def reserved_bytes(self) -> int:
+        """The fixed overheads no request can ever hold (a constant): ``budget == kv_bytes() +
+        state_bytes() + free_bytes() + reserved_bytes()`` at every moment."""
+
     def reserve_bytes(self, fraction: float) -> int: ...
 
     def pools(self) -> list[UnifiedPool]: ...
@@ -214,6 +218,11 @@ class PoolMemory:
         lay = self.layout
         return lay.usable - lay.sink_floor - self.kv_bytes() - self.state_bytes()
 
+    def reserved_bytes(self) -> int:
+        """The sink ``[0, sink_floor)`` and the tail pad (pool/layout.py): ``budget - usable + sink_floor``."""
+        lay = self.layout
+        return self.budget - lay.usable + lay.sink_floor
+
     def reserve_bytes(self, fraction: float) -> int:
         return self.reserve_pages(fraction) * self.layout.page_bytes
 
@@ -302,3 +311,9 @@ class QuotaMemory(PoolMemory):
         lay = self.layout
         return ((self.kv_cap_pages - self.pool.allocator.pages_used) * lay.page_bytes
                 + (self.state_cap_slots - self.pool.allocator.slots_used) * lay.slot_bytes)
+
+    def reserved_bytes(self) -> int:
+        """The sink, the tail pad, and what each share leaves below one page / one slot: ``budget -
+        kv_cap_pages * page_bytes - state_cap_slots * slot_bytes``."""
+        lay = self.layout
+        return self.budget - self.kv_cap_pages * lay.page_bytes - self.state_cap_slots * lay.slot_bytes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -25,6 +26,7 @@ from typing import Optional
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,6 +37,8 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, valida
 from .text import ChatTemplateMissing, IncrementalDetokenizer, StopMatcher, TextCodec
 
 __all__ = ["ServerState", "create_app"]
+
+log = logging.getLogger("unimem_compile.serve")
 
 # prompt ids decoded as context in front of a reply, so its first token is spelled as inside the sequence
 _PROMPT_CONTEXT_TOKENS = 4
@@ -88,23 +92,36 @@ class _Choice:
 
     def take(self, update: Update) -> str:
         """The new text of ``update`` (cumulative tokens); sets ``finish_reason`` when the choice ends
-        (``"stop"``: an EOS token or a stop string; ``"length"``: ``max_tokens`` or ``max_seq_len``)."""
+        (``"stop"``: an EOS token or a stop string; ``"length"``: ``max_tokens`` or ``max_seq_len``).
+
+        :attr:`seen` counts the reply's tokens: up to and including the EOS token or the token whose text
+        completed a stop string (OpenAI's and vLLM's ``completion_tokens``); tokens the engine generated
+        past either (a decode block runs several steps) are no part of the reply."""
         if self.done:
             return ""
         new = list(update.generated_tokens[self.seen:])
-        self.seen = len(update.generated_tokens)
-        eos = bool(new) and new[-1] in self.codec.eos_token_ids
-        if eos:  # the EOS token ends the reply; it is no text
-            new = new[:-1]
-        text = self.stop.push(self.detok.push(new))
+        eos = next((i for i, t in enumerate(new) if t in self.codec.eos_token_ids), None)
+        if eos is not None:  # the EOS token ends the reply; it is no text
+            new = new[:eos]
+        # with stop strings, one token at a time: the token that completes a match is the reply's last
+        pieces = [[t] for t in new] if self.stop.stops else [new]
+        text = ""
+        for piece in pieces:
+            text += self.stop.push(self.detok.push(piece))
+            self.seen += len(piece)
+            if self.stop.stopped:
+                break
         if self.stop.stopped:
             self.finish_reason = "stop"
         elif update.status == "failed":
             self.error = update.error or "the engine failed this request"
-        elif update.finished or eos:
+        elif update.finished or eos is not None:
+            if eos is not None:
+                self.seen += 1  # counted in completion_tokens, as OpenAI counts it
             text += self.stop.push(self.detok.flush())
             text += self.stop.flush()
-            self.finish_reason = "stop" if (eos or self.stop.stopped or self.seen < self.max_new) else "length"
+            self.finish_reason = "stop" if (eos is not None or self.stop.stopped or self.seen < self.max_new) \
+                else "length"
         self.text_parts.append(text)
         return text
 
@@ -157,7 +174,7 @@ class _Generation:
 
     async def pieces(self):
         """Yield ``[(choice, new text)]`` each time updates arrive, until every choice is done. Choices
-        that ended on a stop string are cancelled in the engine here."""
+        that ended on a stop string are cancelled in the engine here (memory freed at its next step)."""
         while not all(c.done for c in self.choices):
             updates = [await self.queue.get()]
             while not self.queue.empty():
@@ -175,8 +192,8 @@ class _Generation:
                 before = choice.seen
                 text = choice.take(u)
                 self.state.metrics.delivered(choice.seen - before)
-                if choice.stop.stopped and not u.finished:
-                    self.state.engine.cancel(rid)  # a stop string matched: the engine would go on
+                if choice.done and not u.finished:
+                    self.state.engine.cancel(rid)  # a stop string (or an EOS) ended it: the engine would go on
                 if text and self.first_text_at is None:
                     self.first_text_at = time.monotonic()
                     self.state.metrics.ttft.observe(self.first_text_at - self.start)
@@ -368,6 +385,49 @@ async def _stream(state: ServerState, gen: _Generation, rid: str, created: int, 
             gen.cancel()
 
 
+class _ShutdownCut:
+    """ASGI middleware: a request the server cancels (uvicorn cancels what outlives ``--shutdown-timeout``;
+    nothing else cancels a request's task) ends with one log line and a well-formed end of its response,
+    not with uvicorn's "Exception in ASGI application" traceback of the ``CancelledError``. The client
+    gets a 503 ``shutting_down`` body when nothing was sent yet, or, mid-stream, that error as a last SSE
+    event (the openai client raises it) before the stream is closed; its engine requests are cancelled by
+    the stream's own cleanup."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = {"started": False, "complete": False, "sse": False}
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+                sent["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                  for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["complete"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the cancellation is handled here: the task ends normally
+            log.warning("%s %s: cancelled by the server's shutdown (--shutdown-timeout ran out)",
+                        scope.get("method"), scope.get("path"))
+            error = APIError(503, "the server shut down before this request finished (its --shutdown-timeout ran "
+                             "out)", type="server_error", code="shutting_down")
+            if not sent["started"]:
+                await JSONResponse(error.body(), status_code=503)(scope, receive, send)
+            elif not sent["complete"]:
+                tail = f"data: {json.dumps(error.body())}\n\n".encode() if sent["sse"] else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
 def create_app(state: ServerState, lifespan=None) -> Starlette:
     """The Starlette app over ``state``; ``lifespan``: an async context manager factory run around the
     server (loading the model, stopping the engine)."""
@@ -434,4 +494,5 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
         metrics.http_requests.labels("other", str(exc.status_code)).inc()
         return JSONResponse(body, status_code=exc.status_code)
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error},
+                     middleware=[Middleware(_ShutdownCut)])

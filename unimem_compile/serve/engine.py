@@ -66,14 +66,17 @@ class Update:
 
 @dataclass
 class EngineMetrics:
-    """A snapshot for ``/metrics``. Bytes are arena bytes; ``tokens_per_s`` is the output rate over the
-    last seconds (the engine's own figure where it has one)."""
+    """A snapshot for ``/metrics``. Bytes are arena bytes: ``kv_bytes + state_bytes + free_bytes +
+    reserved_bytes == total_bytes`` (``reserved_bytes``: what no request can ever hold, the arena's sink
+    page and tail pad); ``tokens_per_s`` is the output rate over the last seconds (the engine's own figure
+    where it has one)."""
 
     running: int = 0
     waiting: int = 0
     kv_bytes: int = 0
     state_bytes: int = 0
     free_bytes: int = 0
+    reserved_bytes: int = 0
     total_bytes: int = 0
     tokens_per_s: float = 0.0
     preemptions: int = 0
@@ -225,7 +228,8 @@ class ManagerEngine:
         raw = self.manager.metrics()
         return EngineMetrics(
             running=raw["running"], waiting=raw["waiting"], kv_bytes=raw["kv_bytes"],
-            state_bytes=raw["state_bytes"], free_bytes=raw["free_bytes"], total_bytes=raw["budget_bytes"],
+            state_bytes=raw["state_bytes"], free_bytes=raw["free_bytes"], reserved_bytes=raw["reserved_bytes"],
+            total_bytes=raw["budget_bytes"],
             tokens_per_s=raw["tokens_per_s"], preemptions=raw["preemptions"],
             extra={"outstanding": self.outstanding(), **{k: raw[k] for k in ("finished", "failed", "cancelled")
                                                           if k in raw}},

@@ -4,7 +4,8 @@ Engine gauges are read at scrape time from :meth:`EngineClient.metrics` by a cus
 shows the engine as it is, not as of the last request. Names (docs/serve.md lists them with their labels):
 
 * ``unimem_requests_running``, ``unimem_requests_waiting``: the engine's requests in a step / queued.
-* ``unimem_arena_bytes{side="kv"|"state"|"free"}``, ``unimem_arena_capacity_bytes``: the unified arena.
+* ``unimem_arena_bytes{side="kv"|"state"|"free"|"reserved"}``, ``unimem_arena_capacity_bytes``: the unified
+  arena; the four sides add up to the capacity exactly (``reserved``: the sink page and the tail pad).
 * ``unimem_engine_tokens_per_second``: the engine's output rate since it started; ``unimem_preemptions_total``;
   ``unimem_engine_requests_total{outcome="finished"|"failed"|"cancelled"}``.
 * ``unimem_output_tokens_per_second``: tokens the server delivered over the last 10 s, per second.
@@ -95,9 +96,10 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
-        arena = GaugeMetricFamily("unimem_arena_bytes", "arena bytes per side (kv pages, state slots, free gap)",
-                                  labels=["side"])
-        for side, value in (("kv", m.kv_bytes), ("state", m.state_bytes), ("free", m.free_bytes)):
+        arena = GaugeMetricFamily("unimem_arena_bytes", "arena bytes per side (kv pages, state slots, free gap, "
+                                  "reserved: sink and tail pad); the sides add up to the capacity", labels=["side"])
+        for side, value in (("kv", m.kv_bytes), ("state", m.state_bytes), ("free", m.free_bytes),
+                            ("reserved", m.reserved_bytes)):
             arena.add_metric([side], float(value))
         yield arena
         pre = CounterMetricFamily("unimem_preemptions", "running requests preempted (memory freed, recomputed)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "APIError",
@@ -62,6 +62,10 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
 
 
+# the JSON type of a parsed value, for a body that is not an object
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _param(loc: tuple) -> str:
     parts = []
     for p in loc:
@@ -81,6 +85,9 @@ def validation_error(err: ValidationError) -> APIError:
     first = errors[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] == "model_type" and not first["loc"]:  # valid JSON, but not an object
+        got = _JSON_TYPES.get(type(first.get("input")), type(first.get("input")).__name__)
+        return APIError(400, f"the request body must be a JSON object, got {got}", code="invalid_value")
     param = _param(first["loc"])
     reasons = []
     for e in errors:
@@ -139,6 +146,11 @@ class _Sampling(_Strict):
         if len(self.stop_list) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(self.stop_list)}", param="stop",
                            code="invalid_value")
+        empty = next((i for i, s in enumerate(self.stop_list) if not s), None)
+        if empty is not None:  # "" would match before the first character: OpenAI refuses it too
+            where = "" if isinstance(self.stop, str) else f" (stop.{empty})"
+            raise APIError(400, f"stop: an empty stop string{where}; give at least one character",
+                           param="stop", code="invalid_value")
         if self.min_tokens and self.limit is not None and self.min_tokens > self.limit:
             raise APIError(400, f"min_tokens: {self.min_tokens} is more than max_tokens ({self.limit})",
                            param="min_tokens", code="invalid_value")
@@ -220,13 +232,13 @@ class ChatCompletionRequest(_Sampling):
         "tool_choice": lambda v: v in (None, "none"),
     }
 
-    @model_validator(mode="after")
-    def _one_limit(self):
+    def check_common(self) -> None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
-                             f"({self.max_completion_tokens}) disagree; give one")
-        return self
+            raise APIError(400, f"max_completion_tokens: max_tokens ({self.max_tokens}) and max_completion_tokens "
+                           f"({self.max_completion_tokens}) disagree; give one", param="max_completion_tokens",
+                           code="invalid_value")
+        super().check_common()
 
     @property
     def limit(self) -> Optional[int]:

@@ -248,6 +248,11 @@ class StaticSplitSystem:
         k, s = self.kv_layout, self.state_layout
         return (k.usable - k.sink_floor - self.kv_bytes()) + (s.usable - s.sink_floor - self.state_bytes())
 
+    def reserved_bytes(self) -> int:
+        """Each pool's sink and tail pad (the two pools' budgets add up to ``budget``)."""
+        return self.budget - (self.kv_layout.usable - self.kv_layout.sink_floor) - (
+            self.state_layout.usable - self.state_layout.sink_floor)
+
     def reserve_bytes(self, fraction: float) -> int:
         return self.reserve_pages(fraction) * self.kv_layout.page_bytes
 
@@ -318,6 +323,10 @@ class PaddedHybridSystem:
     def free_bytes(self) -> int:
         lay = self.layout
         return lay.usable - lay.sink_floor - self.pool.allocator.pages_used * lay.page_bytes
+
+    def reserved_bytes(self) -> int:
+        """The sink and the tail pad: ``budget - usable + sink_floor``."""
+        return self.budget - self.layout.usable + self.layout.sink_floor
 
     def reserve_bytes(self, fraction: float) -> int:
         return self.reserve_pages(fraction) * self.layout.page_bytes
