@@ -449,14 +449,16 @@ class DecodeRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph empties the allocator's cache when it starts: empty it first, so that the reserved
-        # bytes before and after differ by the pool's growth only
+        # bytes before and after differ by the pool's growth only (the eager cuBLAS workspaces this drops are
+        # freed by that empty_cache too)
         torch.cuda.synchronize(self.device)
+        _clear_blas_workspaces()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with _own_blas_workspace(), torch.cuda.graph(graph, pool=self._pool):
                 self._call_step(bucket, sampling)
         except Exception as e:  # noqa: BLE001 - the step still runs, uncaptured; the stats say why
             logger.warning("decode runner: capturing the step of bucket %d (sampling=%s) failed, it runs "
@@ -678,6 +680,45 @@ class DecodeRunner:
         if pt is not None:
             table[:rows] = pt.host_table[:rows]
         bucket.uploads["page_table"](table)
+
+
+def _clear_blas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS / cuBLASLt workspaces of every (handle, stream) of this thread (the next
+    GEMM on a stream allocates a fresh one from the caching allocator)."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+@contextlib.contextmanager
+def _own_blas_workspace():
+    """Around a CUDA graph capture: the cuBLAS workspace the captured GEMMs use is allocated inside this
+    capture, so it lives in the capture's private memory pool, and no workspace cached for later work points
+    into that pool.
+
+    Why: PyTorch keeps one cuBLAS (and one cuBLASLt) workspace per (handle, stream), allocated by the first
+    GEMM on that stream and reused by every later one (``aten/src/ATen/cuda/CublasHandlePool.cpp``).
+    ``torch.cuda.graph`` without ``stream=`` captures on ONE stream per process
+    (``torch.cuda.graph.default_capture_stream``), so every decode runner of every model captures on the
+    same stream: the first capture of the process allocates the workspace inside its own graph pool and
+    every later capture, of any model, bakes that raw address into its GEMM kernels. The cache entry is
+    dropped when any graph captured on the stream is destroyed (``CUDAGraph::reset`` calls
+    ``clearCublasWorkspacesForStream``, pytorch/pytorch#175276, in torch 2.11) and whenever Inductor's CUDA
+    graph trees warm up or record (``torch._inductor.cudagraph_trees.clear_cublas_manager``). The block then
+    goes back to the pool of the FIRST capture; once that model is gone, its pool is freeable and the next
+    ``torch.cuda.empty_cache()`` (every capture and every cudagraph-tree recording calls one) unmaps it, and
+    the next replay of another model's captured step faults inside a cuBLAS kernel: "an illegal memory
+    access was encountered" (pytorch/pytorch#193402 describes the same sharing). Clearing the cache before
+    the capture makes its first GEMM allocate a workspace in this capture's pool, which stays mapped while
+    any graph of that pool exists; clearing it after keeps later captures and eager work on that stream from
+    inheriting a pointer into this pool. Inductor's CUDA graph trees do the same around their recordings.
+
+    Cost: one more workspace allocation per capture (a few MiB of the graph pool) and one for the next eager
+    GEMM of each stream; nothing per replay.
+    """
+    _clear_blas_workspaces()
+    try:
+        yield
+    finally:
+        _clear_blas_workspaces()
 
 
 def _penalty_mask(input_ids: torch.Tensor, ignore) -> torch.Tensor | None:
