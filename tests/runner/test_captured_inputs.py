@@ -148,7 +148,8 @@ def test_replay_checks_before_it_replays(captured):
     saved = bucket.buffers.page_table
     bucket.buffers.page_table = torch.full_like(saved, -1)  # re-assigned instead of written with copy_
     try:
-        with pytest.raises(CapturedInputMoved, match=r"bucket 4 \(sampling=False\) reads bucket 4 cache.buffers.page_table"):
+        with pytest.raises(CapturedInputMoved,
+                           match=r"bucket 4 \(sampling=False\) reads bucket 4 cache.buffers.page_table"):
             runner.replay(bucket, False, 2)
     finally:
         bucket.buffers.page_table = saved
