@@ -6,7 +6,7 @@
 #   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's;
 #    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512")
-#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
@@ -71,7 +71,8 @@ python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout=${TE
 for s in "$@"; do
   case "$s" in
     # fp8_tests and fp8_decode_tests run the fp8 GPU tests in slots of their own
-    gpu_tests) run_step gpu_tests 400 $PYTEST ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py --ignore=tests/gpu/test_mla_decode_fp8_gpu.py}
+    gpu_tests) run_step gpu_tests 400 $PYTEST ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_fp8_gpu.py --ignore=tests/gpu/test_mla_decode_fp8_gpu.py \
+                 --ignore=tests/gpu/test_runner_isolation_gpu.py}
                run_step poison_cuda 45 $PYTEST tests/reliability/test_poison.py -k cuda ;;
     # the same files in three slots that each fit a fresh machine's cold compiles (ninth session's timings:
     # kernels ~80 s, models ~330 s, engine ~190 s)
@@ -81,6 +82,12 @@ for s in "$@"; do
     gpu_tests_models) run_step gpu_tests_models 420 $PYTEST tests/gpu/test_generate_gpu.py tests/gpu/test_runner_gpu.py \
                         tests/gpu/test_sampling_gpu.py tests/gpu/test_passes_gpu.py tests/gpu/test_state_passes_gpu.py ;;
     gpu_tests_engine) run_step gpu_tests_engine 240 $PYTEST tests/gpu/test_engine_gpu.py ;;
+    # the illegal memory access of 2026-12-01 (a model's captures, then its death, before the runner tests'):
+    # the isolation test (four processes: the order before and after the cuBLAS workspace fix), then the
+    # file order that faulted, in one process
+    runner_isolation) run_step runner_isolation 420 $PYTEST -rA tests/gpu/test_runner_isolation_gpu.py
+                      run_step runner_after_state_passes 420 $PYTEST tests/gpu/test_state_passes_gpu.py \
+                        tests/gpu/test_runner_gpu.py ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;

@@ -6,7 +6,8 @@ one). An operation that raises leaves the pool (arena bytes and tables) exactly 
 
 from __future__ import annotations
 
-__all__ = ["UnimemError", "PoolExhausted", "InvalidFree", "GeometryError", "UnsupportedModel", "RankMismatch"]
+__all__ = ["UnimemError", "PoolExhausted", "InvalidFree", "GeometryError", "UnsupportedModel", "RankMismatch",
+           "CapturedInputMoved"]
 
 
 class UnimemError(Exception):
@@ -59,3 +60,27 @@ class RankMismatch(UnimemError):
     different page tables (checked under ``UNIMEM_DEBUG=1``), another rank that failed a check this one
     passed, or ranks that did not meet within ``UNIMEM_TP_TIMEOUT`` seconds. Every rank raises it (the rank
     that failed raises its own error), so no rank is left waiting in a collective."""
+
+
+class CapturedInputMoved(UnimemError):
+    """A tensor a captured decode step reads no longer has the storage it had at capture (the decode
+    runner checks before it replays, ``unimem_compile.runner.captured``); nothing was replayed.
+
+    Attributes:
+        name: the tensor, as the runner names it (``"bucket 4 buffers.page_table"``, ``"parameter lm_head.weight"``).
+        captured: ``(data_ptr, shape, stride, dtype)`` at capture.
+        now: the same for the tensor there now, or None when it is no tensor any more.
+    """
+
+    def __init__(self, message: str, *, name: str, captured: tuple, now: tuple | None):
+        super().__init__(message)
+        self.name = name
+        self.captured = captured
+        self.now = now
+
+    def __reduce__(self):  # keyword-only fields, as PoolExhausted
+        return _rebuild_captured_input_moved, (str(self), self.name, self.captured, self.now)
+
+
+def _rebuild_captured_input_moved(message: str, name: str, captured: tuple, now: tuple | None) -> CapturedInputMoved:
+    return CapturedInputMoved(message, name=name, captured=captured, now=now)

@@ -28,6 +28,12 @@ Everything a captured graph reads sits at a fixed address: the arena and the poo
 call copies its cache's tables into the bucket's buffers before its first step (padded rows: no pages,
 slot -1, kv_len 0: the kernels read zeros and write nothing), so a graph never reads another call's tables.
 
+Before a call (and before each block the serving engine replays) the runner checks that every tensor a
+captured graph reads still has the storage it had at capture (:mod:`.captured`): a replaced one raises
+:class:`~unimem_compile.errors.CapturedInputMoved` naming it instead of a replay into memory the step no
+longer owns. Each capture allocates its own cuBLAS workspace in the runner's graph pool
+(:func:`_own_blas_workspace` says why: the process-wide one was freed under other models' graphs).
+
 Without graph capture (a CPU model, ``cudagraphs=False``, or ``UNIMEM_DEBUG=1``, whose id checks
 synchronise) the same compiled step is called once per step; the schedule is the same.
 """
@@ -51,6 +57,7 @@ from ..errors import GeometryError, PoolExhausted
 from ..pool.allocator import as_int
 from ..pool.staging import StagedUpload
 from .buckets import bucket_for, bucket_sizes
+from .captured import CapturedInputs
 from .rows import Rows, RowSettings, RowState
 from .sampling import decode_step
 
@@ -162,6 +169,8 @@ class _Bucket:
     uploads: dict[str, StagedUpload]
     graphs: dict[bool, object] = dataclasses.field(default_factory=dict)  # sampling -> CUDAGraph or None
     stats: dict[bool, StepGraphStats] = dataclasses.field(default_factory=dict)
+    #: sampling -> what its captured graph reads (for graphs only: an uncaptured step re-reads its inputs)
+    inputs: dict[bool, CapturedInputs] = dataclasses.field(default_factory=dict)
 
 
 class _Readback:
@@ -441,22 +450,69 @@ class DecodeRunner:
         elif self.capture_graphs:
             stats.error = f"{env.DEBUG}=1: the launchers' id checks synchronise, so steps run uncaptured"
         stats.captured = graph is not None
+        if graph is not None:
+            bucket.inputs[sampling] = self.captured_inputs(bucket, sampling)
         bucket.graphs[sampling] = graph
         bucket.stats[sampling] = stats
         return bucket
+
+    def captured_inputs(self, bucket: _Bucket, sampling: bool) -> CapturedInputs:
+        """Every tensor the step of ``bucket`` reads that the runner knows of, as it is now (recorded right
+        after a capture; :meth:`check_captured` compares with it before replays): the bucket's step buffers
+        as its graph cache sees them and as its uploads write them, its pads / slots / input ids, the graph
+        cache's ``seq_length`` and write locations, the row state's tensors, the pool's arena and tables, and
+        every parameter and buffer of the model (read through their modules, so a replaced one is seen)."""
+        b = f"bucket {bucket.size}"
+        entries: list = []
+        for field in ("page_table", "kv_len", "out_offset", "slot_ids", "decode_loc"):
+            entries.append((f"{b} cache.buffers.{field}", lambda f=field: getattr(bucket.cache.buffers, f)))
+            entries.append((f"{b} buffers.{field}", lambda f=field: getattr(bucket.buffers, f)))
+        for name, upload in bucket.uploads.items():
+            entries.append((f"{b} upload {name!r} destination", lambda u=upload: u.dst))
+        for field in ("pads_after_finish", "slots", "input_ids"):
+            entries.append((f"{b} {field}", lambda f=field: getattr(bucket, f)))
+        entries.append((f"{b} cache.seq_length", lambda: bucket.cache.seq_length))
+        entries.append((f"{b} cache.write_loc", lambda: bucket.cache.write_loc))
+        state = self.state
+        for field in Rows._fields:
+            entries.append((f"row state {field}", lambda f=field: getattr(state, f)))
+        pool = self.handle.pool
+        for field in ("arena", "v2p", "p2v", "s_v2p", "s_p2v"):
+            entries.append((f"pool.{field}", lambda f=field: getattr(pool, f)))
+        model = self._model()
+        for prefix, module in model.named_modules() if model is not None else ():
+            for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+                for key, value in table.items():
+                    if value is not None:
+                        name = f"{kind} {prefix + '.' if prefix else ''}{key}"
+                        entries.append((name, lambda t=table, k=key: t[k]))
+        return CapturedInputs(f"the captured decode step of bucket {bucket.size} (sampling={sampling})", entries)
+
+    @staticmethod
+    def check_captured(bucket: _Bucket, sampling: bool) -> None:
+        """Before replaying the graph of ``bucket`` for ``sampling``: every tensor it reads still has its
+        capture-time storage (:meth:`~.captured.CapturedInputs.check`; a no-op for a step without a graph).
+
+        Raises:
+            CapturedInputMoved: one of them was replaced, resized or released; nothing was replayed."""
+        inputs = bucket.inputs.get(sampling)
+        if inputs is not None:
+            inputs.check()
 
     def _capture(self, bucket: _Bucket, sampling: bool, stats: StepGraphStats):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph empties the allocator's cache when it starts: empty it first, so that the reserved
-        # bytes before and after differ by the pool's growth only
+        # bytes before and after differ by the pool's growth only (the eager cuBLAS workspaces this drops are
+        # freed by that empty_cache too)
         torch.cuda.synchronize(self.device)
+        _clear_blas_workspaces()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with _own_blas_workspace(), torch.cuda.graph(graph, pool=self._pool):
                 self._call_step(bucket, sampling)
         except Exception as e:  # noqa: BLE001 - the step still runs, uncaptured; the stats say why
             logger.warning("decode runner: capturing the step of bucket %d (sampling=%s) failed, it runs "
@@ -536,6 +592,8 @@ class DecodeRunner:
             GeometryError: ``settings``, ``input_ids``, ``prefill_logits`` and the cache disagree on the rows.
             PoolExhausted: the pool cannot hold one more step of the rows that write (after collecting
                 dropped caches).
+            CapturedInputMoved: a tensor the bucket's captured graph reads was replaced since its capture
+                (checked before the call writes the row state or the bucket's tables).
         """
         self.evict_tenant()
         rows = len(settings)
@@ -554,6 +612,7 @@ class DecodeRunner:
                 streamer.put(view.out[:, 0].cpu())
             return view.out[:, :1]
         bucket = self._ensure(bucket_for(rows, self.handle.max_batch_size), sampling)
+        self.check_captured(bucket, sampling)  # before this call writes anything
         state.clear_rows(0, state.max_rows)
         state.set_rows(0, settings, input_ids, _penalty_mask(input_ids, penalty_ignore))
         self._upload_call(bucket, cache, rows, pads_after_finish)
@@ -641,8 +700,13 @@ class DecodeRunner:
 
     def replay(self, bucket: _Bucket, sampling: bool, steps: int) -> None:
         """Run ``steps`` decode steps of ``bucket`` (graph replays, or the compiled step uncaptured); the
-        caller reserved the pages they write (hold the generate lock)."""
+        caller reserved the pages they write (hold the generate lock).
+
+        Raises:
+            CapturedInputMoved: a tensor the captured graph reads was replaced since its capture (checked once
+                per call, before the first replay)."""
         graph, stats = bucket.graphs[sampling], bucket.stats[sampling]
+        self.check_captured(bucket, sampling)
         for _ in range(steps):
             if graph is not None:
                 graph.replay()
@@ -678,6 +742,45 @@ class DecodeRunner:
         if pt is not None:
             table[:rows] = pt.host_table[:rows]
         bucket.uploads["page_table"](table)
+
+
+def _clear_blas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS / cuBLASLt workspaces of every (handle, stream) of this thread (the next
+    GEMM on a stream allocates a fresh one from the caching allocator)."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+@contextlib.contextmanager
+def _own_blas_workspace():
+    """Around a CUDA graph capture: the cuBLAS workspace the captured GEMMs use is allocated inside this
+    capture, so it lives in the capture's private memory pool, and no workspace cached for later work points
+    into that pool.
+
+    Why: PyTorch keeps one cuBLAS (and one cuBLASLt) workspace per (handle, stream), allocated by the first
+    GEMM on that stream and reused by every later one (``aten/src/ATen/cuda/CublasHandlePool.cpp``).
+    ``torch.cuda.graph`` without ``stream=`` captures on ONE stream per process
+    (``torch.cuda.graph.default_capture_stream``), so every decode runner of every model captures on the
+    same stream: the first capture of the process allocates the workspace inside its own graph pool and
+    every later capture, of any model, bakes that raw address into its GEMM kernels. The cache entry is
+    dropped when any graph captured on the stream is destroyed (``CUDAGraph::reset`` calls
+    ``clearCublasWorkspacesForStream``, pytorch/pytorch#175276, in torch 2.11) and whenever Inductor's CUDA
+    graph trees warm up or record (``torch._inductor.cudagraph_trees.clear_cublas_manager``). The block then
+    goes back to the pool of the FIRST capture; once that model is gone, its pool is freeable and the next
+    ``torch.cuda.empty_cache()`` (every capture and every cudagraph-tree recording calls one) unmaps it, and
+    the next replay of another model's captured step faults inside a cuBLAS kernel: "an illegal memory
+    access was encountered" (pytorch/pytorch#193402 describes the same sharing). Clearing the cache before
+    the capture makes its first GEMM allocate a workspace in this capture's pool, which stays mapped while
+    any graph of that pool exists; clearing it after keeps later captures and eager work on that stream from
+    inheriting a pointer into this pool. Inductor's CUDA graph trees do the same around their recordings.
+
+    Cost: one more workspace allocation per capture (a few MiB of the graph pool) and one for the next eager
+    GEMM of each stream; nothing per replay.
+    """
+    _clear_blas_workspaces()
+    try:
+        yield
+    finally:
+        _clear_blas_workspaces()
 
 
 def _penalty_mask(input_ids: torch.Tensor, ignore) -> torch.Tensor | None:
