@@ -13,6 +13,7 @@ one-row prefill graph, the runner's steps of 1 and 2 rows).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -250,6 +251,9 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     forks = model.init_continuous_batching(generation_config=GenerationConfig(do_sample=True, num_return_sequences=2))
     with pytest.raises(ValueError, match="num_return_sequences=2"):
         forks.add_request(p)
+    with pytest.raises(ValueError, match=re.escape("num_return_sequences=3: the unimem engine returns one sequence "
+                                                   "per request (add the prompt that many times)")):
+        manager.add_request(p, num_return_sequences=3)  # a keyword used to get only "does not take"
     beams = model.init_continuous_batching(generation_config=GenerationConfig(num_beams=2))
     with pytest.raises(UnsupportedGenerationSetting, match="num_beams=2"):
         beams.add_request(p)
@@ -258,6 +262,10 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     small = model.init_continuous_batching(memory=quota(model, 2))
     with pytest.raises(GeometryError, match=r"of 60 tokens \(4 pages of 16 tokens and one state\) never fits"):
         small.add_request(list(range(3, 43)), max_new_tokens=20)
+    for bad in (0, -1, 2.5, True):  # 0 or less used to be taken, and then every add_request raised QueueFull
+        with pytest.raises(ValueError, match=re.escape(f"max_queue must be None (no limit) or an int >= 1, "
+                                                       f"got {bad!r}")):
+            model.init_continuous_batching(max_queue=bad)
     full = model.init_continuous_batching(max_queue=1)
     full.add_request(p, max_new_tokens=2)
     with pytest.raises(QueueFull, match="1 requests wait already"):

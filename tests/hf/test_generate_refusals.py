@@ -1,6 +1,8 @@
 """What compile() and generate() refuse, and how: a specific error with the numbers in it, raised before
 anything is allocated, leaving the model compilable and a passed cache untouched."""
 
+import re
+
 import pytest
 import torch
 
@@ -88,6 +90,23 @@ def test_float_input_ids_get_a_plain_dtype_error_and_allocate_nothing(small):
                                         r"torch.float32"):
         small.generate(ids.float(), attention_mask=mask, max_new_tokens=2)
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+
+
+def test_a_float_length_is_refused_before_anything_is_allocated(small):
+    # stock transformers generates 3 tokens for max_new_tokens=2.5 (it stops at cur_len >= prompt + 2.5); the
+    # up-front max_seq_len check and the runner used to truncate it to 2, and transformers' own loop ran 3:
+    # a 30-token prompt with 2.5 passed the check against max_seq_len=32 and came back 33 tokens long
+    ids, mask = prompts([30], seed=4)
+    for kw, shown in ((dict(max_new_tokens=2.5), "max_new_tokens must be an int (a number of tokens), "
+                                                 "got float 2.5"),
+                      (dict(max_length=32.5), "max_length must be an int (a number of tokens), "
+                                             "got float 32.5"),
+                      (dict(max_new_tokens=True), "max_new_tokens must be an int (a number of tokens), "
+                                                  "got bool True")):
+        with pytest.raises(TypeError, match=re.escape(shown)):
+            small.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+    assert small.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2).shape == (1, 32)
 
 
 def test_an_empty_prompt_is_refused_and_cache_advice_comes_only_with_a_cache(small):

@@ -93,10 +93,17 @@ class ContinuousBatchingManager:
         reserve_fraction: share of the arena kept free at admission for running requests' growth.
         max_queue: waiting requests beyond which :meth:`add_request` raises :class:`QueueFull` (None: no limit).
         memory: the engine's memory system (default: the unified pool; ``QuotaMemory`` for a static split).
+
+    Raises:
+        ValueError: ``max_queue`` that is neither None nor an int >= 1; ``max_prefill_tokens`` /
+            ``reserve_fraction`` out of range (the engine's and the scheduler's checks).
     """
 
     def __init__(self, model, generation_config=None, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                  reserve_fraction: float = DEFAULT_RESERVE_FRACTION, max_queue: int | None = None, memory=None):
+        # 0 or less would refuse every request with a QueueFull that says "retry later"
+        if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1):
+            raise ValueError(f"max_queue must be None (no limit) or an int >= 1, got {max_queue!r}")
         self.model = model
         self.generation_config = model.generation_config if generation_config is None else generation_config
         self.engine = Engine(model, memory=memory, max_prefill_tokens=max_prefill_tokens,
@@ -419,6 +426,9 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------ validation
     def _build(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id, kwargs) -> EngineRequest:
         unknown = sorted(set(kwargs) - set(REQUEST_SETTINGS))
+        if kwargs.get("num_return_sequences") not in (None, 1):  # the same advice as from a generation config
+            raise ValueError(f"num_return_sequences={kwargs['num_return_sequences']}: the unimem engine returns one "
+                             "sequence per request (add the prompt that many times)")
         if unknown:
             raise ValueError(f"add_request does not take {', '.join(map(repr, unknown))}: the unimem engine applies "
                              f"per request only {', '.join(REQUEST_SETTINGS)} (docs/engine.md)")

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,16 +130,31 @@ def _default_max_length() -> int:
         return 20
 
 
+def _token_count(value, name: str) -> int:
+    """``value`` of the length setting ``name`` as an int. A float is refused: stock transformers takes one
+    without complaint and stops at its ceiling (``cur_len >= max_length``), which the up-front
+    ``max_seq_len`` check and the decode runner would count one token short.
+
+    Raises:
+        TypeError: ``value`` is a bool or not an integer (Python, numpy or 0-d integer tensor)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int (a number of tokens), got {type(value).__name__} {value!r}")
+
+
 def _max_total_length(model, kwargs, prompt_len: int, config) -> int:
     """Tokens a row reaches in this generate() call (prompt with pads + new tokens), resolved as transformers'
     ``_prepare_generated_length`` does: ``max_new_tokens`` wins; else a ``max_length`` set by the call or a
     config; else the default ``max_length`` (20) as NEW tokens, capped by ``max_position_embeddings``."""
     new = generation_setting(model, kwargs, "max_new_tokens", None, config)
     if new is not None:
-        return prompt_len + int(new)
+        return prompt_len + _token_count(new, "max_new_tokens")
     length = generation_setting(model, kwargs, "max_length", None, config)
     if length is not None:
-        return int(length)
+        return _token_count(length, "max_length")
     total = prompt_len + _default_max_length()
     cap = getattr(model.config, "max_position_embeddings", None)
     return min(total, int(cap)) if cap else total
@@ -237,7 +253,8 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
             attention maps asked for; beam search; assisted / speculative decoding; ``use_cache=False``; a
             model whose parameters were cast since ``compile()``; ``prefill_chunk_size`` on a cache that
             holds tokens with transformers < 5.21.
-        TypeError: ``input_ids`` that are not integers (a float tensor, say).
+        TypeError: ``input_ids`` that are not integers (a float tensor, say); a ``max_new_tokens`` or
+            ``max_length`` that is not an int (``2.5``, say).
         ValueError: ``input_ids`` that are not a 2-D tensor; no ``input_ids`` and no ``bos_token_id`` (a call
             without ``input_ids`` starts from the BOS token, as stock transformers does); a
             ``prefill_chunk_size`` that is not an int >= 1.
