@@ -108,7 +108,8 @@ def _warn_if_short(layout: ArenaLayout, adapter: ModelAdapter, options: CompileO
     whose rows all grow to ``max_seq_len`` would then raise PoolExhausted part way."""
     rows = full_rows(layout, adapter, options.max_seq_len, options.max_batch_size)
     if rows < options.max_batch_size:
-        warnings.warn(f"memory_budget of {layout.memory_budget} bytes holds {rows} full rows of "
+        held = f"{rows} full row{'' if rows == 1 else 's'}"
+        warnings.warn(f"memory_budget of {layout.memory_budget} bytes holds {held} of "
                       f"max_seq_len={options.max_seq_len} tokens and their states, fewer than "
                       f"max_batch_size={options.max_batch_size}: a generate() of more rows raises PoolExhausted "
                       "once they outgrow it (memory_budget=None sizes the arena for max_batch_size full rows)",

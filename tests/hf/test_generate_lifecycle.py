@@ -341,6 +341,8 @@ def test_pool_exhaustion_surfaces_as_pool_exhausted_with_the_numbers_and_leaks_n
                                                                          want.reclaimable)
     assert got.requested > got.available and str(got).startswith(f"{want}; the arena of {layout.memory_budget} bytes")
     assert "give unimem_compile.compile() a larger memory_budget" in str(got)
+    held = {side: sum(k for s, k in fitting if s == side) for side in ("kv", "state")}
+    assert f"{held['kv']} KV pages and {held['state']} state slots were in use when it ran out" in str(got)
     assert f"({n * unit} bytes)" in str(got) and f"({want.available} bytes)" in str(got)
     stats = model.unimem.stats()
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0

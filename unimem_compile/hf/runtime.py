@@ -232,10 +232,14 @@ class UnimemHandle:
         """What a PoolExhausted raised inside generate() adds: how many full rows the arena holds and what to
         change."""
         budget = self.pool.layout.memory_budget
-        return (f"the arena of {budget} bytes holds {self.full_rows} full rows of max_seq_len={self.max_seq_len} "
-                f"tokens and their states (max_batch_size={self.max_batch_size}): give unimem_compile.compile() a "
-                "larger memory_budget (None sizes the arena for max_batch_size full rows), or lower max_seq_len "
-                "or the rows per call")
+        used = self.pool.stats()
+        rows = f"{self.full_rows} full row{'' if self.full_rows == 1 else 's'}"
+        return (f"the arena of {budget} bytes holds {rows} of max_seq_len={self.max_seq_len} "
+                f"tokens and their states (max_batch_size={self.max_batch_size}); {used.kv_pages_used} KV pages "
+                f"and {used.state_slots_used} state slots were in use when it ran out, this call's included, and "
+                "caches kept alive (a past_key_values you hold, model.unimem.new_cache()) keep theirs until "
+                "cache.release(): release them, give unimem_compile.compile() a larger memory_budget (None sizes "
+                "the arena for max_batch_size full rows), or lower max_seq_len or the rows per call")
 
     def new_cache(self, batch_size: int | None = None) -> UnifiedCache:
         """A fresh :class:`UnifiedCache` of ``batch_size`` rows (default ``max_batch_size``)."""
