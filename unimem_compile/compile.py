@@ -103,6 +103,17 @@ def full_rows(layout: ArenaLayout, adapter: ModelAdapter, max_seq_len: int, most
     return rows
 
 
+def _warn_past_positions(model, options: CompileOptions) -> None:
+    """Warns (UserWarning) when ``max_seq_len`` exceeds the model config's ``max_position_embeddings``: the
+    arena and the graphs serve such lengths, but positions past the config's are outside what the model was
+    built for (stock transformers does not refuse them either). Silent when the config has no such field."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and options.max_seq_len > limit:
+        warnings.warn(f"max_seq_len={options.max_seq_len} tokens exceeds the model config's "
+                      f"max_position_embeddings={limit}: rows may grow to positions the model was not built for",
+                      UserWarning, stacklevel=3)
+
+
 def _warn_if_short(layout: ArenaLayout, adapter: ModelAdapter, options: CompileOptions) -> int:
     """:func:`full_rows` of ``layout``; warns (UserWarning) when it is fewer than ``max_batch_size``: a call
     whose rows all grow to ``max_seq_len`` would then raise PoolExhausted part way."""
@@ -287,6 +298,7 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
                           deferred_stop_check=options.deferred_stop_check)
     handle.tensor_parallel = tp
     handle.full_rows = _warn_if_short(pool.layout, adapter, options)
+    _warn_past_positions(model, options)
     tag = len(_COMPILED)
     cudagraphs = options.cudagraphs_for(device)
     compiled = torch.compile(_own_entry(model.forward, tag), backend=manager.backend(options.backend, cudagraphs),

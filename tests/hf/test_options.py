@@ -49,3 +49,20 @@ def test_cudagraphs_none_follows_the_device_and_a_bool_is_kept():
 def test_a_bad_option_raises_the_error_compile_documents(kw, exc, message):
     with pytest.raises(exc, match=message):
         CompileOptions(**({"max_batch_size": 2, "max_seq_len": 16} | kw))
+
+
+def test_max_seq_len_past_the_configs_positions_warns_with_both_numbers():
+    import warnings
+
+    import unimem_compile
+    from unimem_compile.hf.models import build_model
+
+    limit = build_model("deepseek-v3-tiny").config.max_position_embeddings
+    with pytest.warns(UserWarning, match=rf"max_seq_len={limit + 64} tokens exceeds the model config's "
+                                         rf"max_position_embeddings={limit}"):
+        unimem_compile.compile(build_model("deepseek-v3-tiny"), max_batch_size=1, max_seq_len=limit + 64,
+                               page_size=64, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at the limit: nothing to say
+        unimem_compile.compile(build_model("deepseek-v3-tiny"), max_batch_size=1, max_seq_len=limit, page_size=64,
+                               backend="aot_eager")
