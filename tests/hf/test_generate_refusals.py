@@ -92,6 +92,23 @@ def test_float_input_ids_get_a_plain_dtype_error_and_allocate_nothing(small):
     assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
 
 
+def test_a_token_id_outside_the_vocabulary_is_refused_by_position_and_allocates_nothing(small):
+    # stock transformers raises a bare IndexError from the embedding on the CPU and a device-side assert (a
+    # poisoned CUDA context) on a GPU; the check runs before any page or slot is taken
+    vocab = small.get_input_embeddings().num_embeddings
+    ids, mask = prompts([4, 6], seed=7)
+    for bad, shown in ((vocab, f"input_ids holds token id {vocab} at [row 1, position 3], outside the vocabulary "
+                               f"[0, {vocab}) of the model's input embedding"),
+                       (-1, "input_ids holds token id -1 at [row 1, position 3], outside the vocabulary")):
+        wrong = ids.clone()
+        wrong[1, 3] = bad
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            small.generate(wrong, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        assert small.unimem.stats()["kv_pages_used"] == 0 and small.unimem.stats()["state_slots_used"] == 0
+    ids[1, 3] = vocab - 1  # the largest id is in the vocabulary
+    assert small.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False).shape == (2, 8)
+
+
 def test_a_float_length_is_refused_before_anything_is_allocated(small):
     # stock transformers generates 3 tokens for max_new_tokens=2.5 (it stops at cur_len >= prompt + 2.5); the
     # up-front max_seq_len check and the runner used to truncate it to 2, and transformers' own loop ran 3:

@@ -84,6 +84,24 @@ def test_streamed_text_equals_the_non_streamed_text_and_chunks_are_openai_shaped
     assert chat[-1].choices[0].finish_reason == "stop"
 
 
+def test_min_tokens_keeps_stop_strings_from_ending_a_shorter_reply(live):
+    # REPLY's "STOP" is bytes 17-20 (one token per byte): token 20 completes it; vLLM's rule, no stop string
+    # ends a reply before min_tokens tokens, but one that token min_tokens or later completes does
+    _, _, server = live
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    assert len(REPLY.encode()[:REPLY.encode().index(b"STOP") + 4]) == 20
+    for min_tokens, stop, text, tokens in ((20, ["STOP"], "Hé, wörld ✓ ", 20),
+                                           (21, ["STOP"], REPLY, len(REPLY.encode()) + 1),
+                                           (21, ["STOP", "e"], "Hé, wörld ✓ STOP h", 23)):
+        whole = client.completions.create(model="fake", prompt="x", max_tokens=50, stop=stop,
+                                          extra_body={"min_tokens": min_tokens})
+        assert (whole.choices[0].text, whole.choices[0].finish_reason) == (text, "stop"), min_tokens
+        assert whole.usage.completion_tokens == tokens
+        chunks = list(client.completions.create(model="fake", prompt="x", max_tokens=50, stop=stop, stream=True,
+                                                extra_body={"min_tokens": min_tokens}))
+        assert "".join(c.choices[0].text for c in chunks) == text
+
+
 def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
     engine, _, server = live
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)

@@ -81,6 +81,26 @@ def test_stop_matcher_equals_trimming_the_whole_text_however_it_is_cut(text, sto
     assert (out, matcher.stopped) == (expected, stopped)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abc✓", max_size=30), st.lists(st.text(alphabet="abc✓", min_size=1, max_size=4),
+                                                       max_size=4), st.integers(0, 30), st.integers(0, 2**31))
+def test_unarmed_text_ends_no_match_but_a_match_it_begins_still_counts(text, stops, armed_at, seed):
+    # min_tokens: the text before character `armed_at` is pushed unarmed; the reply ends at the first match
+    # that ends at or after it (vLLM: stop strings are not checked before min_tokens)
+    armed_at = min(armed_at, len(text))
+    rng = random.Random(seed)
+    matcher = StopMatcher(stops)
+    out = "".join(matcher.push(c, armed=False) for c in _chunks(text[:armed_at], rng))
+    out += "".join(matcher.push(c) for c in _chunks(text[armed_at:], rng)) + matcher.flush()
+    expected, stopped = text, False
+    for end in range(armed_at + 1, len(text) + 1):
+        hits = [end - len(s) for s in stops if text.endswith(s, 0, end)]
+        if hits:
+            expected, stopped = text[:min(hits)], True
+            break
+    assert (out, matcher.stopped) == (expected, stopped)
+
+
 def test_stop_matcher_holds_back_a_possible_match_and_stops_on_the_earliest():
     m = StopMatcher(["STOP", "ab"])
     assert m.push("xxS") == "xx"  # "S" may begin "STOP": held

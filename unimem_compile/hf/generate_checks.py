@@ -232,6 +232,30 @@ def _with_input_ids(input_ids: torch.Tensor, args: tuple, kwargs: dict) -> tuple
     return (input_ids, *args[1:]), kwargs
 
 
+
+def _check_token_ids(model, input_ids):
+    """Refuse a token id outside ``[0, vocab_size)`` of the model's input embedding before the prefill.
+
+    Stock transformers fails inside the embedding lookup (a bare ``IndexError: index out of range in self``
+    on the CPU; on CUDA a device-side assert that leaves the CUDA context unusable). Checked on every position,
+    padding included (the embedding looks up those too). One device sync per generate() call.
+
+    Raises:
+        ValueError: naming the first offending id, its [row, position] and the vocabulary size.
+    """
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model with an input embedding
+        return
+    vocab = getattr(embedding, "num_embeddings", None)
+    if not isinstance(vocab, int):
+        return
+    outside = (input_ids < 0) | (input_ids >= vocab)
+    if bool(outside.any()):
+        row, position = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"input_ids holds token id {int(input_ids[row, position])} at [row {row}, position "
+                         f"{position}], outside the vocabulary [0, {vocab}) of the model's input embedding")
+
 def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) -> GenerateCall:
     """Check a generate() call on ``model`` (compiled, with ``handle``) and resolve what it asks for.
 
@@ -256,8 +280,8 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
         TypeError: ``input_ids`` that are not integers (a float tensor, say); a ``max_new_tokens`` or
             ``max_length`` that is not an int (``2.5``, say).
         ValueError: ``input_ids`` that are not a 2-D tensor; no ``input_ids`` and no ``bos_token_id`` (a call
-            without ``input_ids`` starts from the BOS token, as stock transformers does); a
-            ``prefill_chunk_size`` that is not an int >= 1.
+            without ``input_ids`` starts from the BOS token, as stock transformers does); a token id outside
+            the input embedding's ``[0, vocab_size)``; a ``prefill_chunk_size`` that is not an int >= 1.
         GeometryError: ``input_ids`` without tokens; more rows than ``max_batch_size``; a passed cache of
             another row count; a prompt + new tokens longer than ``max_seq_len``; with
             ``prefill_chunk_size``, a prompt row of padding only.
@@ -297,6 +321,7 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
                                 "whole sequence so far (the cached tokens, then the new ones)")
         raise GeometryError(f"input_ids has no tokens (shape {list(input_ids.shape)}): generate() needs at least "
                             "one prompt token per row (call it without input_ids to start from the BOS token)")
+    _check_token_ids(model, input_ids)
     implementation = setting("cache_implementation", None)
     if implementation is not None:
         raise UnsupportedModel(f"cache_implementation={implementation!r} is not supported: a model compiled by "

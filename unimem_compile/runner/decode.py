@@ -485,7 +485,7 @@ class DecodeRunner:
                 for key, value in table.items():
                     if value is not None:
                         name = f"{kind} {prefix + '.' if prefix else ''}{key}"
-                        entries.append((name, lambda t=table, k=key: t[k]))
+                        entries.append((name, (table, key)))
         return CapturedInputs(f"the captured decode step of bucket {bucket.size} (sampling={sampling})", entries)
 
     @staticmethod

@@ -73,8 +73,10 @@ class ServerState:
 class _Choice:
     """One choice of a response: its engine request and the text made so far."""
 
-    def __init__(self, index: int, codec: TextCodec, prompt_ids: list[int], stops: list[str], max_new: int):
+    def __init__(self, index: int, codec: TextCodec, prompt_ids: list[int], stops: list[str], max_new: int,
+                 min_tokens: Optional[int] = None):
         self.index = index
+        self.min_tokens = min_tokens or 0  # stop strings end the reply from this many tokens on (vLLM's rule)
         self.codec = codec
         self.prompt_ids = prompt_ids
         self.max_new = max_new
@@ -107,7 +109,8 @@ class _Choice:
         pieces = [[t] for t in new] if self.stop.stops else [new]
         text = ""
         for piece in pieces:
-            text += self.stop.push(self.detok.push(piece))
+            armed = self.seen + len(piece) >= self.min_tokens
+            text += self.stop.push(self.detok.push(piece), armed=armed)
             self.seen += len(piece)
             if self.stop.stopped:
                 break
@@ -305,7 +308,7 @@ async def _run(state: ServerState, request: Request, prompts: list[list[int]], b
     choices, sampling = [], []
     for i, p in enumerate(prompts):
         for j in range(body.n):
-            choices.append(_Choice(len(choices), state.codec, p, body.stop_list, max_new[i]))
+            choices.append(_Choice(len(choices), state.codec, p, body.stop_list, max_new[i], body.min_tokens))
             sampling.append(_sampling(body, max_new[i], j))
     gen = _Generation(state, choices, sampling)
     gen.submit()

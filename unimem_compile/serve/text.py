@@ -191,14 +191,18 @@ class StopMatcher:
         self._pending = ""
         self.stopped = False
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, armed: bool = True) -> str:
         """Feed ``text``; return what may be emitted now. After a match, :attr:`stopped` is True and every
-        later call returns ""."""
+        later call returns "".
+
+        ``armed=False`` (text of tokens before ``min_tokens``, vLLM's rule that stop strings do not end a
+        reply shorter than that): no match may end in this ``text``; a stop string that begins in it and is
+        completed by later, armed text still matches."""
         if self.stopped:
             return ""
         start = len(self._pending)
         self._pending += text
-        for end in range(start + 1, len(self._pending) + 1):
+        for end in range(start + 1 if armed else len(self._pending) + 1, len(self._pending) + 1):
             hits = [end - len(s) for s in self.stops if self._pending.endswith(s, 0, end)]
             if hits:
                 self.stopped = True
