@@ -87,6 +87,31 @@ def test_a_read_that_is_not_a_tensor_is_refused_at_construction():
         CapturedInputs("the step", [("slots", lambda: [1, 2])])
 
 
+def test_table_entries_catch_what_function_entries_catch_in_recording_order(gen):
+    # the (dict, key) form the runner uses for parameters and buffers: one vectorised pass, and on any
+    # difference the first entry in recording order is named, whichever form it has
+    module = torch.nn.Linear(5, 3)
+    h = _holder(gen)
+    inputs = CapturedInputs("the step", [("table", lambda: h.table), ("weight", (module._parameters, "weight")),
+                                         ("bias", (module._parameters, "bias")), ("lengths", lambda: h.lengths)])
+    inputs.check()
+    weight = module.weight
+    module.weight = torch.nn.Parameter(weight.detach())  # another object over the same memory: passes
+    inputs.check()
+    ptr = module.bias.data_ptr()
+    module.bias.requires_grad_(False).resize_(2)  # same object, same address, another shape
+    h.lengths = h.lengths.clone()  # also moved, but recorded after the bias
+    with pytest.raises(CapturedInputMoved, match=r"reads bias .*shape, strides or dtype changed") as info:
+        inputs.check()
+    assert info.value.name == "bias" and info.value.now == (ptr, (2,), (1,), torch.float32)
+    del module._parameters["bias"]
+    with pytest.raises(CapturedInputMoved, match="reads bias .*it is now a NoneType"):
+        inputs.check()
+    with pytest.raises(TypeError, match=r"the step: w names an entry of a SimpleNamespace; the \(mapping, key\) "
+                                        r"form takes a dict"):
+        CapturedInputs("the step", [("w", (types.SimpleNamespace(weight=weight), "weight"))])
+
+
 def test_the_captured_tensors_stay_referenced(gen):
     h = _holder(gen)
     inputs = _inputs(h)
