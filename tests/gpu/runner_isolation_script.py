@@ -83,6 +83,8 @@ def models_scenario() -> None:
     from transformers import LogitsProcessor
     from unimem_compile.hf.models import build_model
 
+    from tests.prompts import left_padded  # the repository root is on PYTHONPATH (the test puts it there)
+
     torch.backends.cuda.matmul.allow_tf32 = False
 
     def generate(model, ids, mask, **kw):
@@ -90,13 +92,7 @@ def models_scenario() -> None:
             return model.generate(ids, attention_mask=mask, **kw)
 
     def prompts(lengths, seed, vocab=1024):
-        gen = torch.Generator().manual_seed(seed)
-        width = max(lengths)
-        ids = torch.zeros(len(lengths), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
-            mask[i, width - n:] = 1
+        ids, mask = left_padded(lengths, torch.Generator().manual_seed(seed), vocab)
         return ids.cuda(), mask.cuda()
 
     # test_state_passes_gpu.py's tiny fixture: Inductor, CUDA graphs on, the first capture of the process
