@@ -28,6 +28,14 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from unimem_compile.ops import mla_decode_hopper as hop
 
+def sm90_compile(kern, types, consts):
+    # the JIT's specialisation: constexprs by value, every pointer 16-byte aligned, other arguments i32
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
+    src = GluonASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=consts["num_warps"]))
+
 def compile_variant(**overrides):
     kern = hop._mla_decode_wgmma_kernel
     kv = torch.empty(256, 576, dtype=torch.bfloat16)  # a stand-in arena view: only its type and layout matter
@@ -36,11 +44,7 @@ def compile_variant(**overrides):
                  part_lse_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
     consts = dict(R=512, PS=64, L=7, BLOCK_H=32, SPLIT=True, STAGES=2, EARLY_REFILL=True, num_warps=4)
     consts.update(overrides)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
-    src = GluonASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    k = sm90_compile(kern, types, consts)
     ptx = k.asm["ptx"]
     return {"tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
             "mma_sync": ptx.count("mma.sync"), "shared": k.metadata.shared,
@@ -58,11 +62,7 @@ def compile_fp8_variant(**overrides):
     consts = dict(R=512, PS=64, L=7, BLOCK_H=32, SPLIT=True, STAGES=2, ROPE_COL=fmt.rope_offset // 2,
                   SCALE_COL=fmt.scale_offset // 4, SCALE_TILE=128, HW_FP8=True, FNUZ=False, num_warps=4)
     consts.update(overrides)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
-    src = GluonASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    k = sm90_compile(kern, types, consts)
     ptx = k.asm["ptx"]
     out = {"tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async"),
            "mma_sync": ptx.count("mma.sync"), "cvt_e4m3": ptx.count("e4m3x2"), "shared": k.metadata.shared,
