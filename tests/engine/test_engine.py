@@ -218,6 +218,27 @@ def test_stop_sequences_end_a_request(pair):
     assert_idle(model)
 
 
+def test_generate_batch_gives_every_prompt_the_seed_stop_sequences_and_eos(pair):
+    """The settings of generate_batch / add_requests apply to every prompt: a seed (the same prompt twice
+    draws the same tokens), stop sequences and an EOS id (the third prompt's, from its stock reference, end
+    it where stock would). The settings dict used to be consumed by the first prompt."""
+    stock, model = pair
+    ps = prompts([8, 13, 10], seed=11, vocab=model.config.vocab_size)
+    out = model.generate_batch([ps[0], ps[1], ps[0]], max_new_tokens=8, do_sample=True, temperature=1.0, seed=77)
+    a, b, c = (out[f"req_{i}"].generated_tokens for i in range(3))
+    assert len(a) == len(c) == 8 and a == c and b != a
+    ref1, ref2 = reference(stock, ps[1], 12), reference(stock, ps[2], 12)
+    stop = ref2[3:5]  # in the last prompt's reply only
+    assert all(ref1[i:i + 2] != stop for i in range(11))
+    out = model.generate_batch([ps[1], ps[2]], max_new_tokens=12, stop_sequences=[stop])
+    assert out["req_0"].generated_tokens == ref1 and out["req_1"].generated_tokens == ref2[:5]
+    eos = ref2[6]
+    out = model.generate_batch([ps[2], ps[2]], max_new_tokens=12, eos_token_id=eos)
+    assert [o.generated_tokens for o in out.values()] == [reference(stock, ps[2], 12, eos)] * 2
+    assert len(out["req_1"].generated_tokens) <= 7
+    assert_idle(model)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_and_the_others_go_on(pair):
     stock, model = pair

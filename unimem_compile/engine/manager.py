@@ -236,10 +236,13 @@ class ContinuousBatchingManager:
         return req.rid
 
     def add_requests(self, inputs: Sequence, max_new_tokens: int | None = None, streaming: bool = False,
-                     record_timestamps: bool = False, **kwargs) -> list[str]:
-        """:meth:`add_request` for each prompt of ``inputs`` (ids ``req_<n>``, in order); returns the ids.
-        All prompts are validated before any is queued."""
-        built = [self._build(ids, None, max_new_tokens, bool(streaming), None, kwargs) for ids in inputs]
+                     record_timestamps: bool = False, eos_token_id: int | list[int] | None = None,
+                     **kwargs) -> list[str]:
+        """:meth:`add_request` for each prompt of ``inputs`` (ids ``req_<n>``, in order), every one with the same
+        ``max_new_tokens``, ``eos_token_id`` and settings (``seed`` and ``stop_sequences`` included); returns the
+        ids. All prompts are validated before any is queued; the errors are :meth:`add_request`'s."""
+        built = [self._build(ids, None, max_new_tokens, bool(streaming), eos_token_id, kwargs, "add_requests")
+                 for ids in inputs]
         with self._lock:
             if self._stopping or self._stopped:
                 raise RuntimeError("add_requests after stop(): the manager accepts no new requests")
@@ -424,13 +427,16 @@ class ContinuousBatchingManager:
             self._results.notify_all()
 
     # ------------------------------------------------------------------ validation
-    def _build(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id, kwargs) -> EngineRequest:
+    def _build(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id, kwargs,
+               where: str = "add_request") -> EngineRequest:
+        # a copy: add_requests hands every prompt the same settings, and seed / stop_sequences are popped here
+        kwargs = dict(kwargs)
         unknown = sorted(set(kwargs) - set(REQUEST_SETTINGS))
         if kwargs.get("num_return_sequences") not in (None, 1):  # the same advice as from a generation config
             raise ValueError(f"num_return_sequences={kwargs['num_return_sequences']}: the unimem engine returns one "
                              "sequence per request (add the prompt that many times)")
         if unknown:
-            raise ValueError(f"add_request does not take {', '.join(map(repr, unknown))}: the unimem engine applies "
+            raise ValueError(f"{where} does not take {', '.join(map(repr, unknown))}: the unimem engine applies "
                              f"per request only {', '.join(REQUEST_SETTINGS)} (docs/engine.md)")
         prompt = _token_list(input_ids, "input_ids")
         if not prompt:
