@@ -239,6 +239,24 @@ def test_generate_batch_gives_every_prompt_the_seed_stop_sequences_and_eos(pair)
     assert_idle(model)
 
 
+def test_a_finished_request_id_is_in_use_until_its_result_is_taken(pair):
+    stock, model = pair
+    (p,) = prompts([9], seed=12, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    manager.add_request(p, request_id="mine", max_new_tokens=3, record_timestamps=True)
+    while manager.step():
+        pass
+    with pytest.raises(ValueError, match="'mine' is in use"):  # used to queue a second "mine"
+        manager.add_request(p, request_id="mine", max_new_tokens=3)
+    assert manager.get_result("mine", timeout=0).generated_tokens == reference(stock, p, 3)
+    assert manager._timestamps == {}  # a finished request leaves nothing behind in the manager
+    assert manager.add_request(p, request_id="mine", max_new_tokens=2) == "mine"
+    assert drain(manager)["mine"].generated_tokens == reference(stock, p, 2)
+    with pytest.raises(KeyError):
+        manager.get_result("mine", timeout=0)
+    assert_idle(model, manager)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_and_the_others_go_on(pair):
     stock, model = pair

@@ -122,7 +122,6 @@ class ContinuousBatchingManager:
         self._stopping = False
         self._stopped = False
         self._hard_stop = False
-        self._fatal: BaseException | None = None
         self._started_at: float | None = None
         self._streaming: dict[str, bool] = {}
         self._timestamps: dict[str, bool] = {}
@@ -280,13 +279,14 @@ class ContinuousBatchingManager:
             KeyError: ``request_id`` was never added, or its final result was taken already."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._results:
-            if request_id is not None and request_id not in self._known and not any(
-                    o.request_id == request_id for o in self._outbox):
+            if request_id is not None and request_id not in self._known:
                 raise KeyError(f"no request {request_id!r}: never added, or its final result was taken already")
             while True:
                 for i, out in enumerate(self._outbox):
                     if request_id is None or out.request_id == request_id:
                         del self._outbox[i]
+                        if out.is_finished():  # the id is free for a new request from now on
+                            self._known.pop(out.request_id, None)
                         return out
                 if not self.is_running():  # nobody will produce one (a manager stepped by hand: step() first)
                     return None
@@ -394,8 +394,8 @@ class ContinuousBatchingManager:
         with self._results:
             for out in outs:
                 if out.is_finished():
-                    self._known.pop(out.request_id, None)
                     self._streaming.pop(out.request_id, None)
+                    self._timestamps.pop(out.request_id, None)
                 self._outbox.append(out)
             self._results.notify_all()
 
