@@ -257,6 +257,39 @@ def test_a_finished_request_id_is_in_use_until_its_result_is_taken(pair):
     assert_idle(model, manager)
 
 
+def test_an_exception_inside_the_with_block_cancels_what_runs(pair):
+    """Leaving the manager's context by an exception (a streaming loop raising, Ctrl-C) cancels the requests
+    in flight instead of waiting for their last tokens; a normal exit still lets them finish."""
+    stock, model = pair
+    ps = prompts([6, 11, 7], seed=13, vocab=model.config.vocab_size)
+    with pytest.raises(KeyboardInterrupt):
+        with model.init_continuous_batching() as manager:
+            rid = manager.add_request(ps[0], max_new_tokens=80, streaming=True)
+            others = [manager.add_request(p, max_new_tokens=80) for p in ps[1:]]
+            for partial in manager.request_id_iter(rid, timeout=120):
+                if partial.generated_tokens:
+                    raise KeyboardInterrupt
+    assert not manager.is_running()
+    results = {}
+    while (out := manager.get_result(timeout=0)) is not None:
+        results[out.request_id] = out
+    assert set(results) == {rid, *others}
+    for r, p in zip((rid, *others), ps):
+        got = results[r].generated_tokens
+        assert results[r].status == RequestStatus.FAILED and results[r].error == "cancelled"
+        assert not got or got == reference(stock, p, len(got))
+    assert min(len(r.generated_tokens) for r in results.values()) < 80
+    assert_idle(model, manager)
+    with pytest.raises(RuntimeError, match="was stopped"):
+        manager.start()
+    lazy = model.init_continuous_batching()
+    lazy.start()
+    lazy.stop(block=False)
+    lazy.join(60)
+    with pytest.raises(RuntimeError, match="was stopped"):  # used to start a loop that accepted nothing
+        lazy.start()
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_and_the_others_go_on(pair):
     stock, model = pair

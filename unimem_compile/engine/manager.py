@@ -137,7 +137,7 @@ class ContinuousBatchingManager:
 
         Raises:
             RuntimeError: the manager was stopped (a stopped manager is not restarted: create another)."""
-        if self._stopped:
+        if self._stopped or self._stopping:  # stop(block=False) leaves _stopped unset while its loop drains
             raise RuntimeError("this manager was stopped; create a new one with model.init_continuous_batching()")
         if self.is_running():
             logger.warning("the continuous batching manager runs already")
@@ -180,8 +180,11 @@ class ContinuousBatchingManager:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop(block=True)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``stop(block=True)``: every accepted request runs to its end. Left by an exception (a user's streaming
+        loop raising, Ctrl-C), ``hard_stop=True``: what is still queued or running is cancelled, its memory
+        freed, instead of the exception waiting behind every request's last token."""
+        self.stop(block=True, hard_stop=exc_type is not None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
