@@ -183,6 +183,24 @@ def test_preemption_recomputes_to_the_same_tokens(pair):
     assert_idle(model, manager)
 
 
+def test_a_row_grows_only_by_the_tokens_it_has_left(pair):
+    """A block runs as many steps as the longest row needs, but a row that ends sooner stores no token past
+    its end (location -1), so it must not take pages for them: a request with one token left beside a long
+    one fits a 3-page share exactly (1 + 2 pages) and nothing is preempted. Growing every row by the block's
+    steps took a second page for the short one and preempted the long one."""
+    stock, model = pair
+    short, long_ = prompts([10, 10], seed=14, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching(memory=quota(model, 3))
+    a = manager.add_request(short, max_new_tokens=2)
+    b = manager.add_request(long_, max_new_tokens=12)
+    results = drain(manager)
+    assert manager.engine.counters["preemptions"] == 0
+    assert manager.engine.counters["peak_rows"] == 2
+    assert results[a].generated_tokens == reference(stock, short, 2)
+    assert results[b].generated_tokens == reference(stock, long_, 12)
+    assert_idle(model, manager)
+
+
 def test_sampled_rows_beside_greedy_rows(pair):
     """Per-request settings in one step: a sampled request with a seed draws the same tokens beside either
     greedy neighbour, in either row (its noise depends on its seed and token index only); the greedy ones,
