@@ -393,6 +393,26 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     assert_idle(model, manager)
 
 
+def test_generate_batch_refuses_what_is_not_a_list_of_prompts(pair):
+    """A tokenizer's 2-D batch used to raise torch's "Boolean value of Tensor ... is ambiguous", one flat
+    prompt "input_ids must be a list of token ids, got int" (it is one); each now says what to pass."""
+    _, model = pair
+    batch = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match=re.escape("generate_batch takes a list of prompts (each a list of token ids "
+                                                   "or a 1-D tensor), got a tensor of shape [2, 3]")):
+        model.generate_batch(batch, max_new_tokens=2)
+    with pytest.raises(ValueError, match="got one list of 3 token ids: wrap a single prompt as"):
+        model.generate_batch([5, 6, 7], max_new_tokens=2)
+    with pytest.raises(ValueError, match="not text: encode the prompts"):
+        model.generate_batch("hello", max_new_tokens=2)
+    manager = model.init_continuous_batching()
+    with pytest.raises(ValueError, match="add_requests takes a list of prompts, got one list of 2 token ids"):
+        manager.add_requests(torch.tensor([5, 6]), max_new_tokens=2)
+    assert manager.add_requests(list(batch), max_new_tokens=2) == ["req_0", "req_1"]  # 1-D rows are prompts
+    assert [len(r.generated_tokens) for r in drain(manager).values()] == [2, 2]
+    assert_idle(model, manager)
+
+
 def test_a_request_whose_step_raises_fails_alone(pair, monkeypatch):
     stock, model = pair
     ps = prompts([12, 8, 16], seed=8, vocab=model.config.vocab_size)

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from .manager import ContinuousBatchingManager, GenerationOutput
+from .manager import ContinuousBatchingManager, GenerationOutput, _prompt_list
 
 __all__ = ["install", "generate_batch", "init_continuous_batching"]
 
@@ -48,9 +48,11 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
     exception while it waits (Ctrl-C) cancels the requests still running, then propagates.
 
     Raises:
+        ValueError: ``inputs`` not a list of prompts (a 2-D tensor, one flat list of ids, text).
         what ``add_request`` raises for a bad prompt (before any request runs).
     """
     _refuse(kwargs, "generate_batch")
+    inputs = _prompt_list(inputs, "generate_batch")
     if not inputs:
         return {}
     manager_kwargs = {k: kwargs.pop(k) for k in ("max_prefill_tokens", "reserve_fraction", "memory") if k in kwargs}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -244,7 +245,7 @@ class ContinuousBatchingManager:
         ``max_new_tokens``, ``eos_token_id`` and settings (``seed`` and ``stop_sequences`` included); returns the
         ids. All prompts are validated before any is queued; the errors are :meth:`add_request`'s."""
         built = [self._build(ids, None, max_new_tokens, bool(streaming), eos_token_id, kwargs, "add_requests")
-                 for ids in inputs]
+                 for ids in _prompt_list(inputs, "add_requests")]
         with self._lock:
             if self._stopping or self._stopped:
                 raise RuntimeError("add_requests after stop(): the manager accepts no new requests")
@@ -508,6 +509,25 @@ class ContinuousBatchingManager:
             raise GenerationSettingError(f"eos_token_id has {len(settings.eos_token_ids)} ids; a decode row holds "
                                          f"at most {max_eos}", setting="eos_token_id", value=settings.eos_token_ids)
         return settings
+
+
+def _prompt_list(inputs, where: str) -> list:
+    """``inputs`` of ``add_requests`` / ``generate_batch`` as a list of prompts; ValueError naming what was
+    passed instead (a padded 2-D batch, one flat prompt, text), which would otherwise fail obscurely or
+    per token."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() != 1:
+        raise ValueError(f"{where} takes a list of prompts (each a list of token ids or a 1-D tensor), got a "
+                         f"tensor of shape {list(inputs.shape)}; for a padded batch pass each row without its pads: "
+                         "[row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]")
+    if isinstance(inputs, (str, bytes)):
+        raise ValueError(f"{where} takes token ids, not text: encode the prompts with the tokenizer first")
+    if not hasattr(inputs, "__iter__"):
+        raise ValueError(f"{where} takes a list of prompts, got {type(inputs).__name__}")
+    inputs = list(inputs)  # a 1-D tensor or array: a list of 0-d ones, one prompt's token ids
+    if inputs and (isinstance(inputs[0], numbers.Integral) or getattr(inputs[0], "ndim", None) == 0):
+        raise ValueError(f"{where} takes a list of prompts, got one list of {len(inputs)} token ids: wrap a "
+                         "single prompt as [prompt]")
+    return inputs
 
 
 def _token_list(values, what: str) -> list[int]:
