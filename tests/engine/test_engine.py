@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -314,14 +315,14 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     vocab = model.config.vocab_size
     (p,) = prompts([10], seed=7, vocab=vocab)
     manager = model.init_continuous_batching()
-    good = manager.add_request(p, request_id="good", max_new_tokens=6)
+    good = manager.add_request(p, request_id="good", max_new_tokens=np.int64(6))  # as generate() takes it
     with pytest.raises(ValueError, match="empty"):
         manager.add_request([])
     with pytest.raises(ValueError, match=rf"token id {vocab}, outside the vocabulary \[0, {vocab}\)"):
         manager.add_request(p + [vocab])
     with pytest.raises(ValueError, match="token id -1"):
         manager.add_request([-1, 5])
-    for bad in (0, -3):
+    for bad in (0, -3, 2.0, True, np.int64(0)):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             manager.add_request(p, max_new_tokens=bad)
     with pytest.raises(ValueError, match="'good' is in use"):

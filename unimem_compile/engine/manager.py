@@ -21,6 +21,7 @@ import collections
 import copy
 import logging
 import numbers
+import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -452,9 +453,11 @@ class ContinuousBatchingManager:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         label = "the request" if request_id is None else f"request {request_id!r}"
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens <= 0):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if max_new_tokens is not None:  # numpy and 0-d tensor ints too, as generate() takes them
+            count = None if isinstance(max_new_tokens, bool) else _index(max_new_tokens)
+            if count is None or count <= 0:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            max_new_tokens = count
         stops = kwargs.pop("stop_sequences", None) or ()
         stop_sequences = tuple(tuple(_token_list(s, "a stop sequence")) for s in stops)
         if any(not s for s in stop_sequences):
@@ -528,6 +531,14 @@ def _prompt_list(inputs, where: str) -> list:
         raise ValueError(f"{where} takes a list of prompts, got one list of {len(inputs)} token ids: wrap a "
                          "single prompt as [prompt]")
     return inputs
+
+
+def _index(value) -> int | None:
+    """``value`` as an int when it is one (Python, numpy, 0-d integer tensor), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _token_list(values, what: str) -> list[int]:
