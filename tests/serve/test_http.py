@@ -216,6 +216,29 @@ def test_bad_chat_bodies_and_unknown_model(live):
     assert err["param"] == "model" and "'fake'" in err["message"]
 
 
+def test_messages_a_chat_template_refuses_are_a_400_with_its_message():
+    """Templates raise for messages they do not take (Llama 2 / Mistral / Gemma style: no system role, roles
+    that must alternate); that was a plain-text 500 with a traceback in the log."""
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    engine = FakeEngine(REPLY, max_seq_len=64)
+    st = ServerState(model_name="fake", codec=ByteCodec(1024, chat_template=template), max_seq_len=64,
+                     engine=engine, ready=True)
+    server = ServerThread(st).start()
+    try:
+        err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}, key=None), 400)
+        assert err == {"message": "messages: this model's chat template refuses them: System role not supported",
+                       "type": "invalid_request_error", "param": "messages", "code": "invalid_value"}
+        assert engine.submitted == []
+        ok = _post(server, "/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": "hi"}]},
+                   key=None)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == REPLY
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_api_key_is_required_and_refused_requests_never_reach_the_engine(live):
     engine, _, server = live
     before = len(engine.submitted)
