@@ -239,6 +239,28 @@ def test_messages_a_chat_template_refuses_are_a_400_with_its_message():
         engine.close()
 
 
+def test_an_unforeseen_failure_is_a_500_in_openais_shape_and_counted(caplog):
+    class Broken(ByteCodec):
+        def encode(self, text):
+            raise RuntimeError("tokenizer exploded")
+
+    engine = FakeEngine(REPLY, max_seq_len=64)
+    st = ServerState(model_name="fake", codec=Broken(1024), max_seq_len=64, engine=engine, ready=True)
+    server = ServerThread(st).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="unimem_compile.serve"):
+            err = _error(_post(server, "/v1/completions", {"model": "fake", "prompt": "hi"}, key=None), 500)
+        assert err == {"message": "internal server error: RuntimeError: tokenizer exploded", "type": "server_error",
+                       "param": None, "code": "internal_error"}
+        assert "POST /v1/completions failed" in caplog.text and "tokenizer exploded" in caplog.text
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'unimem_http_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics
+        assert engine.submitted == []
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_api_key_is_required_and_refused_requests_never_reach_the_engine(live):
     engine, _, server = live
     before = len(engine.submitted)

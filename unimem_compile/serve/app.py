@@ -443,6 +443,11 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
                 response = await handler(request)
             except APIError as e:
                 response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            except Exception as e:  # noqa: BLE001 - a failure no check foresaw: OpenAI's body, not plain text
+                log.exception("%s %s failed", request.method, path)
+                error = APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                                 code="internal_error")
+                response = JSONResponse(error.body(), status_code=500)
             metrics.http_requests.labels(path, str(response.status_code)).inc()
             return response
         return wrapped
