@@ -7,8 +7,8 @@ parts):
 2. decode: every decoding row takes ``n`` more steps (``n = min(K, the longest row's remaining tokens,
    max_seq_len - the batch's logical length)``, ``K = model.unimem.steps_ahead``). First each row's pages
    grow to hold ``min(n, its remaining tokens)`` more tokens, oldest request first; a request that cannot
-   grow preempts the newest running request (:class:`~.scheduler.Scheduler`). Then the rows' tables go into the runner's bucket
-   (:meth:`~unimem_compile.runner.DecodeRunner.load_rows`) and ``n`` whole-step graphs run
+   grow preempts the newest running request (:class:`~.scheduler.Scheduler`). Then the rows' tables go into
+   the runner's bucket (:meth:`~unimem_compile.runner.DecodeRunner.load_rows`) and ``n`` whole-step graphs run
    (:meth:`~unimem_compile.runner.DecodeRunner.replay`); one synchronisation reads every row's tokens,
    counts, lengths and finished flags. Host-side stop sequences are matched then. Finished rows leave: memory
    freed, row cleared, the last row moved into the hole so the live rows stay ``[0, r)``;
