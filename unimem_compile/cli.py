@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 __all__ = ["main"]
@@ -150,8 +151,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .hf.models import MODEL_PRESETS
     from .serve.server import ServeOptions, serve
 
+    # before the server starts: a typo would otherwise give a listening server whose /health says "failed"
+    if args.model not in MODEL_PRESETS and not os.path.isdir(args.model):
+        print(f"unimem-compile serve: --model {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a "
+              "checkpoint folder", file=sys.stderr)
+        return 2
     for name in ("max_batch_size", "max_seq_len", "max_queue", "page_size"):
         if getattr(args, name) <= 0:
             print(f"unimem-compile serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",

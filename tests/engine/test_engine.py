@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -183,6 +184,24 @@ def test_preemption_recomputes_to_the_same_tokens(pair):
     assert_idle(model, manager)
 
 
+def test_a_row_grows_only_by_the_tokens_it_has_left(pair):
+    """A block runs as many steps as the longest row needs, but a row that ends sooner stores no token past
+    its end (location -1), so it must not take pages for them: a request with one token left beside a long
+    one fits a 3-page share exactly (1 + 2 pages) and nothing is preempted. Growing every row by the block's
+    steps took a second page for the short one and preempted the long one."""
+    stock, model = pair
+    short, long_ = prompts([10, 10], seed=14, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching(memory=quota(model, 3))
+    a = manager.add_request(short, max_new_tokens=2)
+    b = manager.add_request(long_, max_new_tokens=12)
+    results = drain(manager)
+    assert manager.engine.counters["preemptions"] == 0
+    assert manager.engine.counters["peak_rows"] == 2
+    assert results[a].generated_tokens == reference(stock, short, 2)
+    assert results[b].generated_tokens == reference(stock, long_, 12)
+    assert_idle(model, manager)
+
+
 def test_sampled_rows_beside_greedy_rows(pair):
     """Per-request settings in one step: a sampled request with a seed draws the same tokens beside either
     greedy neighbour, in either row (its noise depends on its seed and token index only); the greedy ones,
@@ -218,20 +237,92 @@ def test_stop_sequences_end_a_request(pair):
     assert_idle(model)
 
 
+def test_generate_batch_gives_every_prompt_the_seed_stop_sequences_and_eos(pair):
+    """The settings of generate_batch / add_requests apply to every prompt: a seed (the same prompt twice
+    draws the same tokens), stop sequences and an EOS id (the third prompt's, from its stock reference, end
+    it where stock would). The settings dict used to be consumed by the first prompt."""
+    stock, model = pair
+    ps = prompts([8, 13, 10], seed=11, vocab=model.config.vocab_size)
+    out = model.generate_batch([ps[0], ps[1], ps[0]], max_new_tokens=8, do_sample=True, temperature=1.0, seed=77)
+    a, b, c = (out[f"req_{i}"].generated_tokens for i in range(3))
+    assert len(a) == len(c) == 8 and a == c and b != a
+    ref1, ref2 = reference(stock, ps[1], 12), reference(stock, ps[2], 12)
+    stop = ref2[3:5]  # in the last prompt's reply only
+    assert all(ref1[i:i + 2] != stop for i in range(11))
+    out = model.generate_batch([ps[1], ps[2]], max_new_tokens=12, stop_sequences=[stop])
+    assert out["req_0"].generated_tokens == ref1 and out["req_1"].generated_tokens == ref2[:5]
+    eos = ref2[6]
+    out = model.generate_batch([ps[2], ps[2]], max_new_tokens=12, eos_token_id=eos)
+    assert [o.generated_tokens for o in out.values()] == [reference(stock, ps[2], 12, eos)] * 2
+    assert len(out["req_1"].generated_tokens) <= 7
+    assert_idle(model)
+
+
+def test_a_finished_request_id_is_in_use_until_its_result_is_taken(pair):
+    stock, model = pair
+    (p,) = prompts([9], seed=12, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    manager.add_request(p, request_id="mine", max_new_tokens=3, record_timestamps=True)
+    while manager.step():
+        pass
+    with pytest.raises(ValueError, match="'mine' is in use"):  # used to queue a second "mine"
+        manager.add_request(p, request_id="mine", max_new_tokens=3)
+    assert manager.get_result("mine", timeout=0).generated_tokens == reference(stock, p, 3)
+    assert manager._timestamps == {}  # a finished request leaves nothing behind in the manager
+    assert manager.add_request(p, request_id="mine", max_new_tokens=2) == "mine"
+    assert drain(manager)["mine"].generated_tokens == reference(stock, p, 2)
+    with pytest.raises(KeyError):
+        manager.get_result("mine", timeout=0)
+    assert_idle(model, manager)
+
+
+def test_an_exception_inside_the_with_block_cancels_what_runs(pair):
+    """Leaving the manager's context by an exception (a streaming loop raising, Ctrl-C) cancels the requests
+    in flight instead of waiting for their last tokens; a normal exit still lets them finish."""
+    stock, model = pair
+    ps = prompts([6, 11, 7], seed=13, vocab=model.config.vocab_size)
+    with pytest.raises(KeyboardInterrupt):
+        with model.init_continuous_batching() as manager:
+            rid = manager.add_request(ps[0], max_new_tokens=80, streaming=True)
+            others = [manager.add_request(p, max_new_tokens=80) for p in ps[1:]]
+            for partial in manager.request_id_iter(rid, timeout=120):
+                if partial.generated_tokens:
+                    raise KeyboardInterrupt
+    assert not manager.is_running()
+    results = {}
+    while (out := manager.get_result(timeout=0)) is not None:
+        results[out.request_id] = out
+    assert set(results) == {rid, *others}
+    for r, p in zip((rid, *others), ps):
+        got = results[r].generated_tokens
+        assert results[r].status == RequestStatus.FAILED and results[r].error == "cancelled"
+        assert not got or got == reference(stock, p, len(got))
+    assert min(len(r.generated_tokens) for r in results.values()) < 80
+    assert_idle(model, manager)
+    with pytest.raises(RuntimeError, match="was stopped"):
+        manager.start()
+    lazy = model.init_continuous_batching()
+    lazy.start()
+    lazy.stop(block=False)
+    lazy.join(60)
+    with pytest.raises(RuntimeError, match="was stopped"):  # used to start a loop that accepted nothing
+        lazy.start()
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_and_the_others_go_on(pair):
     stock, model = pair
     vocab = model.config.vocab_size
     (p,) = prompts([10], seed=7, vocab=vocab)
     manager = model.init_continuous_batching()
-    good = manager.add_request(p, request_id="good", max_new_tokens=6)
+    good = manager.add_request(p, request_id="good", max_new_tokens=np.int64(6))  # as generate() takes it
     with pytest.raises(ValueError, match="empty"):
         manager.add_request([])
     with pytest.raises(ValueError, match=rf"token id {vocab}, outside the vocabulary \[0, {vocab}\)"):
         manager.add_request(p + [vocab])
     with pytest.raises(ValueError, match="token id -1"):
         manager.add_request([-1, 5])
-    for bad in (0, -3):
+    for bad in (0, -3, 2.0, True, np.int64(0)):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             manager.add_request(p, max_new_tokens=bad)
     with pytest.raises(ValueError, match="'good' is in use"):
@@ -300,6 +391,26 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
         manager.add_request(p)
     with pytest.raises(KeyError):
         manager.get_result(good, timeout=0)  # taken already
+    assert_idle(model, manager)
+
+
+def test_generate_batch_refuses_what_is_not_a_list_of_prompts(pair):
+    """A tokenizer's 2-D batch used to raise torch's "Boolean value of Tensor ... is ambiguous", one flat
+    prompt "input_ids must be a list of token ids, got int" (it is one); each now says what to pass."""
+    _, model = pair
+    batch = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match=re.escape("generate_batch takes a list of prompts (each a list of token ids "
+                                                   "or a 1-D tensor), got a tensor of shape [2, 3]")):
+        model.generate_batch(batch, max_new_tokens=2)
+    with pytest.raises(ValueError, match="got one list of 3 token ids: wrap a single prompt as"):
+        model.generate_batch([5, 6, 7], max_new_tokens=2)
+    with pytest.raises(ValueError, match="not text: encode the prompts"):
+        model.generate_batch("hello", max_new_tokens=2)
+    manager = model.init_continuous_batching()
+    with pytest.raises(ValueError, match="add_requests takes a list of prompts, got one list of 2 token ids"):
+        manager.add_requests(torch.tensor([5, 6]), max_new_tokens=2)
+    assert manager.add_requests(list(batch), max_new_tokens=2) == ["req_0", "req_1"]  # 1-D rows are prompts
+    assert [len(r.generated_tokens) for r in drain(manager).values()] == [2, 2]
     assert_idle(model, manager)
 
 

@@ -3,8 +3,12 @@ tokenizer built here, no network) loads on the CPU without accelerate, with the 
 tokenizer, its chat template and the generation config's EOS ids; a folder without a chat template refuses
 chat rendering by name; a name that is neither a preset nor a folder is refused with both listed."""
 
+import re
+
 import pytest
 import torch
+
+from unimem_compile.cli import main
 
 from unimem_compile.hf.models import build_model
 from unimem_compile.serve.server import ServeOptions, load_model
@@ -66,3 +70,17 @@ def test_a_folder_without_chat_template_refuses_chat_only(folder, tmp_path):
 def test_a_name_neither_preset_nor_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'.*nowhere' is neither a preset \(.*kimi-linear-tiny.*\) nor a checkpoint"):
         load_model(ServeOptions(model=str(tmp_path / "nowhere"), device="cpu"))
+
+
+def test_serve_refuses_a_missing_folder_before_listening(tmp_path, capsys, monkeypatch):
+    """Exit status 2 at once, as for the other bad options; the server used to come up and answer /health
+    with "failed" until stopped."""
+    import unimem_compile.serve.server as server
+
+    def started(options):
+        raise AssertionError(f"the server was started for --model {options.model!r}")
+
+    monkeypatch.setattr(server, "serve", started)
+    assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"--model '.*nowhere' is neither a preset \(.*kimi-linear-tiny.*\) nor a checkpoint folder", err)

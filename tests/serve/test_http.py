@@ -234,6 +234,51 @@ def test_bad_chat_bodies_and_unknown_model(live):
     assert err["param"] == "model" and "'fake'" in err["message"]
 
 
+def test_messages_a_chat_template_refuses_are_a_400_with_its_message():
+    """Templates raise for messages they do not take (Llama 2 / Mistral / Gemma style: no system role, roles
+    that must alternate); that was a plain-text 500 with a traceback in the log."""
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    engine = FakeEngine(REPLY, max_seq_len=64)
+    st = ServerState(model_name="fake", codec=ByteCodec(1024, chat_template=template), max_seq_len=64,
+                     engine=engine, ready=True)
+    server = ServerThread(st).start()
+    try:
+        err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}, key=None), 400)
+        assert err == {"message": "messages: this model's chat template refuses them: System role not supported",
+                       "type": "invalid_request_error", "param": "messages", "code": "invalid_value"}
+        assert engine.submitted == []
+        ok = _post(server, "/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": "hi"}]},
+                   key=None)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == REPLY
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_an_unforeseen_failure_is_a_500_in_openais_shape_and_counted(caplog):
+    class Broken(ByteCodec):
+        def encode(self, text):
+            raise RuntimeError("tokenizer exploded")
+
+    engine = FakeEngine(REPLY, max_seq_len=64)
+    st = ServerState(model_name="fake", codec=Broken(1024), max_seq_len=64, engine=engine, ready=True)
+    server = ServerThread(st).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="unimem_compile.serve"):
+            err = _error(_post(server, "/v1/completions", {"model": "fake", "prompt": "hi"}, key=None), 500)
+        assert err == {"message": "internal server error: RuntimeError: tokenizer exploded", "type": "server_error",
+                       "param": None, "code": "internal_error"}
+        assert "POST /v1/completions failed" in caplog.text and "tokenizer exploded" in caplog.text
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'unimem_http_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics
+        assert engine.submitted == []
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_api_key_is_required_and_refused_requests_never_reach_the_engine(live):
     engine, _, server = live
     before = len(engine.submitted)

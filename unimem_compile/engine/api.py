@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from .manager import ContinuousBatchingManager, GenerationOutput
+from .manager import ContinuousBatchingManager, GenerationOutput, _prompt_list
 
 __all__ = ["install", "generate_batch", "init_continuous_batching"]
 
@@ -41,15 +41,18 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
     """Generate every prompt of ``inputs`` with continuous batching; returns ``{request id: GenerationOutput}``
     in input order (ids ``req_0``, ``req_1``, ...), each finished (or failed, with ``error``).
 
-    Keywords: ``max_new_tokens`` (default: the generation config's), the per-request settings of
-    ``add_request`` (applied to every prompt), and the manager's (``max_prefill_tokens``,
-    ``reserve_fraction``, ``memory``). ``warmup`` is accepted and does nothing (the runner builds its
-    steps on first use). ``progress_bar``: a tqdm bar over the requests.
+    Keywords: ``max_new_tokens`` (default: the generation config's), ``eos_token_id`` and the per-request
+    settings of ``add_request`` (``seed``, ``stop_sequences``, ...: applied to every prompt alike), and the
+    manager's (``max_prefill_tokens``, ``reserve_fraction``, ``memory``). ``warmup`` is accepted and does
+    nothing (the runner builds its steps on first use). ``progress_bar``: a tqdm bar over the requests. An
+    exception while it waits (Ctrl-C) cancels the requests still running, then propagates.
 
     Raises:
+        ValueError: ``inputs`` not a list of prompts (a 2-D tensor, one flat list of ids, text).
         what ``add_request`` raises for a bad prompt (before any request runs).
     """
     _refuse(kwargs, "generate_batch")
+    inputs = _prompt_list(inputs, "generate_batch")
     if not inputs:
         return {}
     manager_kwargs = {k: kwargs.pop(k) for k in ("max_prefill_tokens", "reserve_fraction", "memory") if k in kwargs}
@@ -62,6 +65,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(ids), desc=f"Solving {len(ids)} requests", unit="request")
+    done = False
     with torch.no_grad():
         manager.start()
         try:
@@ -73,8 +77,9 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
                         bar.update(1)
                 elif out is None and not manager.is_running():
                     break
-        finally:
-            manager.stop(block=True)
+            done = True
+        finally:  # an exception here (Ctrl-C) cancels the requests instead of waiting for them all
+            manager.stop(block=True, hard_stop=not done)
             if bar is not None:
                 bar.close()
     missing = [i for i in ids if i not in results]

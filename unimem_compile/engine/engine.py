@@ -6,9 +6,9 @@ parts):
 1. cancellations: a cancelled request's memory is freed now, wherever it is (queue, prefill, decode);
 2. decode: every decoding row takes ``n`` more steps (``n = min(K, the longest row's remaining tokens,
    max_seq_len - the batch's logical length)``, ``K = model.unimem.steps_ahead``). First each row's pages
-   grow to hold ``n`` more tokens, oldest request first; a request that cannot grow preempts the newest
-   running request (:class:`~.scheduler.Scheduler`). Then the rows' tables go into the runner's bucket
-   (:meth:`~unimem_compile.runner.DecodeRunner.load_rows`) and ``n`` whole-step graphs run
+   grow to hold ``min(n, its remaining tokens)`` more tokens, oldest request first; a request that cannot
+   grow preempts the newest running request (:class:`~.scheduler.Scheduler`). Then the rows' tables go into
+   the runner's bucket (:meth:`~unimem_compile.runner.DecodeRunner.load_rows`) and ``n`` whole-step graphs run
    (:meth:`~unimem_compile.runner.DecodeRunner.replay`); one synchronisation reads every row's tokens,
    counts, lengths and finished flags. Host-side stop sequences are matched then. Finished rows leave: memory
    freed, row cleared, the last row moved into the hole so the live rows stay ``[0, r)``;
@@ -303,11 +303,12 @@ class Engine:
         max_seq = self.handle.max_seq_len
         steps = min(self.runner.steps_ahead, max(r.remaining for r in self.rows),
                     max_seq - max(r.kv_len for r in self.rows))
-        # growth, oldest first (the scheduler's admission order); a victim leaves the rows
+        # growth, oldest first (the scheduler's admission order); a victim leaves the rows. A row stores one
+        # token per step until its length ends it, then nothing (location -1): it grows by what it has left
         for req in [r for r in self.scheduler.running if r.phase == Phase.DECODE]:
             if req.phase != Phase.DECODE:  # preempted by an older request's growth already
                 continue
-            self._preempted(self.scheduler.grow(req, req.kv_len + steps))
+            self._preempted(self.scheduler.grow(req, req.kv_len + min(steps, req.remaining)))
         if not self.rows:
             return []
         rows = list(self.rows)

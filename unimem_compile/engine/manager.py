@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import numbers
+import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -122,7 +124,6 @@ class ContinuousBatchingManager:
         self._stopping = False
         self._stopped = False
         self._hard_stop = False
-        self._fatal: BaseException | None = None
         self._started_at: float | None = None
         self._streaming: dict[str, bool] = {}
         self._timestamps: dict[str, bool] = {}
@@ -138,7 +139,7 @@ class ContinuousBatchingManager:
 
         Raises:
             RuntimeError: the manager was stopped (a stopped manager is not restarted: create another)."""
-        if self._stopped:
+        if self._stopped or self._stopping:  # stop(block=False) leaves _stopped unset while its loop drains
             raise RuntimeError("this manager was stopped; create a new one with model.init_continuous_batching()")
         if self.is_running():
             logger.warning("the continuous batching manager runs already")
@@ -181,8 +182,11 @@ class ContinuousBatchingManager:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop(block=True)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``stop(block=True)``: every accepted request runs to its end. Left by an exception (a user's streaming
+        loop raising, Ctrl-C), ``hard_stop=True``: what is still queued or running is cancelled, its memory
+        freed, instead of the exception waiting behind every request's last token."""
+        self.stop(block=True, hard_stop=exc_type is not None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
@@ -236,10 +240,13 @@ class ContinuousBatchingManager:
         return req.rid
 
     def add_requests(self, inputs: Sequence, max_new_tokens: int | None = None, streaming: bool = False,
-                     record_timestamps: bool = False, **kwargs) -> list[str]:
-        """:meth:`add_request` for each prompt of ``inputs`` (ids ``req_<n>``, in order); returns the ids.
-        All prompts are validated before any is queued."""
-        built = [self._build(ids, None, max_new_tokens, bool(streaming), None, kwargs) for ids in inputs]
+                     record_timestamps: bool = False, eos_token_id: int | list[int] | None = None,
+                     **kwargs) -> list[str]:
+        """:meth:`add_request` for each prompt of ``inputs`` (ids ``req_<n>``, in order), every one with the same
+        ``max_new_tokens``, ``eos_token_id`` and settings (``seed`` and ``stop_sequences`` included); returns the
+        ids. All prompts are validated before any is queued; the errors are :meth:`add_request`'s."""
+        built = [self._build(ids, None, max_new_tokens, bool(streaming), eos_token_id, kwargs, "add_requests")
+                 for ids in _prompt_list(inputs, "add_requests")]
         with self._lock:
             if self._stopping or self._stopped:
                 raise RuntimeError("add_requests after stop(): the manager accepts no new requests")
@@ -277,13 +284,14 @@ class ContinuousBatchingManager:
             KeyError: ``request_id`` was never added, or its final result was taken already."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._results:
-            if request_id is not None and request_id not in self._known and not any(
-                    o.request_id == request_id for o in self._outbox):
+            if request_id is not None and request_id not in self._known:
                 raise KeyError(f"no request {request_id!r}: never added, or its final result was taken already")
             while True:
                 for i, out in enumerate(self._outbox):
                     if request_id is None or out.request_id == request_id:
                         del self._outbox[i]
+                        if out.is_finished():  # the id is free for a new request from now on
+                            self._known.pop(out.request_id, None)
                         return out
                 if not self.is_running():  # nobody will produce one (a manager stepped by hand: step() first)
                     return None
@@ -391,8 +399,8 @@ class ContinuousBatchingManager:
         with self._results:
             for out in outs:
                 if out.is_finished():
-                    self._known.pop(out.request_id, None)
                     self._streaming.pop(out.request_id, None)
+                    self._timestamps.pop(out.request_id, None)
                 self._outbox.append(out)
             self._results.notify_all()
 
@@ -424,13 +432,16 @@ class ContinuousBatchingManager:
             self._results.notify_all()
 
     # ------------------------------------------------------------------ validation
-    def _build(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id, kwargs) -> EngineRequest:
+    def _build(self, input_ids, request_id, max_new_tokens, streaming, eos_token_id, kwargs,
+               where: str = "add_request") -> EngineRequest:
+        # a copy: add_requests hands every prompt the same settings, and seed / stop_sequences are popped here
+        kwargs = dict(kwargs)
         unknown = sorted(set(kwargs) - set(REQUEST_SETTINGS))
         if kwargs.get("num_return_sequences") not in (None, 1):  # the same advice as from a generation config
             raise ValueError(f"num_return_sequences={kwargs['num_return_sequences']}: the unimem engine returns one "
                              "sequence per request (add the prompt that many times)")
         if unknown:
-            raise ValueError(f"add_request does not take {', '.join(map(repr, unknown))}: the unimem engine applies "
+            raise ValueError(f"{where} does not take {', '.join(map(repr, unknown))}: the unimem engine applies "
                              f"per request only {', '.join(REQUEST_SETTINGS)} (docs/engine.md)")
         prompt = _token_list(input_ids, "input_ids")
         if not prompt:
@@ -442,9 +453,11 @@ class ContinuousBatchingManager:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         label = "the request" if request_id is None else f"request {request_id!r}"
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens <= 0):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if max_new_tokens is not None:  # numpy and 0-d tensor ints too, as generate() takes them
+            count = None if isinstance(max_new_tokens, bool) else _index(max_new_tokens)
+            if count is None or count <= 0:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            max_new_tokens = count
         stops = kwargs.pop("stop_sequences", None) or ()
         stop_sequences = tuple(tuple(_token_list(s, "a stop sequence")) for s in stops)
         if any(not s for s in stop_sequences):
@@ -499,6 +512,33 @@ class ContinuousBatchingManager:
             raise GenerationSettingError(f"eos_token_id has {len(settings.eos_token_ids)} ids; a decode row holds "
                                          f"at most {max_eos}", setting="eos_token_id", value=settings.eos_token_ids)
         return settings
+
+
+def _prompt_list(inputs, where: str) -> list:
+    """``inputs`` of ``add_requests`` / ``generate_batch`` as a list of prompts; ValueError naming what was
+    passed instead (a padded 2-D batch, one flat prompt, text), which would otherwise fail obscurely or
+    per token."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() != 1:
+        raise ValueError(f"{where} takes a list of prompts (each a list of token ids or a 1-D tensor), got a "
+                         f"tensor of shape {list(inputs.shape)}; for a padded batch pass each row without its pads: "
+                         "[row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]")
+    if isinstance(inputs, (str, bytes)):
+        raise ValueError(f"{where} takes token ids, not text: encode the prompts with the tokenizer first")
+    if not hasattr(inputs, "__iter__"):
+        raise ValueError(f"{where} takes a list of prompts, got {type(inputs).__name__}")
+    inputs = list(inputs)  # a 1-D tensor or array: a list of 0-d ones, one prompt's token ids
+    if inputs and (isinstance(inputs[0], numbers.Integral) or getattr(inputs[0], "ndim", None) == 0):
+        raise ValueError(f"{where} takes a list of prompts, got one list of {len(inputs)} token ids: wrap a "
+                         "single prompt as [prompt]")
+    return inputs
+
+
+def _index(value) -> int | None:
+    """``value`` as an int when it is one (Python, numpy, 0-d integer tensor), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _token_list(values, what: str) -> list[int]:

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from .engine import EngineClient, QueueFull, RequestRefused, Sampling, Update
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from .text import ChatTemplateMissing, IncrementalDetokenizer, StopMatcher, TextCodec
+from .text import ChatTemplateMissing, ChatTemplateRefused, IncrementalDetokenizer, StopMatcher, TextCodec
 
 __all__ = ["ServerState", "create_app"]
 
@@ -446,6 +446,11 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
                 response = await handler(request)
             except APIError as e:
                 response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            except Exception as e:  # noqa: BLE001 - a failure no check foresaw: OpenAI's body, not plain text
+                log.exception("%s %s failed", request.method, path)
+                error = APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                                 code="internal_error")
+                response = JSONResponse(error.body(), status_code=500)
             metrics.http_requests.labels(path, str(response.status_code)).inc()
             return response
         return wrapped
@@ -465,6 +470,9 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
             prompt = state.codec.chat_ids(messages)
         except ChatTemplateMissing as e:
             raise APIError(400, str(e), param="messages", code="no_chat_template") from None
+        except ChatTemplateRefused as e:
+            raise APIError(400, f"messages: this model's chat template refuses them: {e}", param="messages",
+                           code="invalid_value") from None
         return await _run(state, request, [prompt], body, chat=True)
 
     async def models(request: Request) -> Response:

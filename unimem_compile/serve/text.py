@@ -22,6 +22,7 @@ __all__ = [
     "ByteCodec",
     "HFCodec",
     "ChatTemplateMissing",
+    "ChatTemplateRefused",
     "PRESET_CHAT_TEMPLATE",
     "IncrementalDetokenizer",
     "StopMatcher",
@@ -37,6 +38,24 @@ PRESET_CHAT_TEMPLATE = (
 
 class ChatTemplateMissing(ValueError):
     """The tokenizer has no chat template, so ``/v1/chat/completions`` cannot render messages."""
+
+
+class ChatTemplateRefused(ValueError):
+    """The chat template refused the messages (its ``raise_exception(...)``: a system role it does not take,
+    roles that do not alternate, ...); the message is the template's."""
+
+
+def _render(render, messages):
+    """``render(messages)``, with a template's own refusal raised as :class:`ChatTemplateRefused` (a
+    template that does not parse is the server's fault and propagates)."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+    try:
+        return render(messages)
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as e:
+        raise ChatTemplateRefused(str(e)) from None
 
 
 class TextCodec(Protocol):
@@ -58,7 +77,8 @@ class TextCodec(Protocol):
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` (``[{"role", "content": str}]``) rendered with the chat template and
-        the assistant's generation prompt; :class:`ChatTemplateMissing` when there is no template."""
+        the assistant's generation prompt; :class:`ChatTemplateMissing` when there is no template,
+        :class:`ChatTemplateRefused` when the template raises for these messages."""
 
 
 class ByteCodec:
@@ -93,8 +113,8 @@ class ByteCodec:
         """``[bos]`` + the bytes of the rendered template (no second bos: the template carries none)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                            add_generation_prompt=True)
+        rendered, _ = _render(lambda m: render_jinja_template(conversations=[m], chat_template=self.chat_template,
+                                                              add_generation_prompt=True), messages)
         return self.encode(rendered[0])
 
 
@@ -127,8 +147,8 @@ class HFCodec:
     def chat_ids(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateMissing("this model's tokenizer has no chat template; use /v1/completions")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)
+        out = _render(lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                                   return_dict=True), messages)
         return list(out["input_ids"])
 
 
