@@ -38,7 +38,14 @@ def test_generate_from_two_threads_gives_each_call_its_own_correct_tokens(pair):
 def test_inference_mode_inside_and_outside_mix_freely():
     """Tensors created on first use (the pool at compile(), step buffers per batch size, a cache's tables)
     are written in place by later calls: made under torch.inference_mode() they used to be inference
-    tensors, and every later call outside it failed."""
+    tensors, and every later call outside it failed.
+
+    The calls inside inference mode run the compiled graphs (the only test that compiles under it); the
+    calls outside run eagerly (``force_eager``: the same cache path and decode runner, writing the same
+    tensors in place, tests/hf/test_generate_parity.py), because Dynamo guards on the grad mode and would
+    compile every graph a second time for them (8 graphs instead of 4); compiled calls outside inference
+    mode are what every other test makes. Each tensor is made inside and then written outside: batch sizes
+    2 and 1 (a step buffer each) and a cache."""
     stock = build_model("kimi-linear-tiny")
     ids, mask = prompts([10, 7], seed=32)
     want = greedy(stock, ids, mask, 4)
@@ -46,13 +53,15 @@ def test_inference_mode_inside_and_outside_mix_freely():
         model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=2, max_seq_len=32,
                                        page_size=8, backend="aot_eager")
         assert torch.equal(greedy(model, ids, mask, 4), want)
-        cache = model.unimem.new_cache(2)
-    assert torch.equal(greedy(model, ids, mask, 4), want)
-    assert torch.equal(greedy(model, ids, mask, 4, past_key_values=cache), want)
-    cache.release()
-    with torch.inference_mode():
         assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
-    assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
+        cache = model.unimem.new_cache(2)
+    assert model.unimem.passes.graphs == 4  # prefill and decode step, batch sizes 2 and 1
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(greedy(model, ids, mask, 4), want)
+        assert torch.equal(greedy(model, ids, mask, 4, past_key_values=cache), want)
+        cache.release()
+        assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
+    assert model.unimem.passes.graphs == 4  # outside: eager (force_eager compiles nothing)
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
 
 

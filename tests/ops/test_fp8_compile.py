@@ -7,14 +7,13 @@ integer ops, and its products are tensor-core MMAs in both.
 
 Triton's ahead-of-time entry (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``) needs no driver. It runs
 in a child process without ``TRITON_INTERPRET`` (the test session sets it, and under it the kernels are
-interpreter functions), as tests/ops/test_mla_decode_hopper_compile.py does."""
+interpreter functions): the session's one launch of such compiles (tests/sm90_compiles.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from .. import sm90_compiles
 
 _CHILD = r'''
 import json, re, sys
@@ -71,13 +70,13 @@ print("RESULT " + json.dumps({"write_gather": out, "decode": dec}), flush=True)
 '''
 
 
+sm90_compiles.register("fp8_compile", _CHILD)
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))  # a real compile, not a cache hit
-    done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+def compiled():
+    lines = [ln for ln in sm90_compiles.run("fp8_compile").splitlines() if ln.startswith("RESULT ")]
+    assert lines, "the compile script printed no RESULT line"
     return json.loads(lines[0][len("RESULT "):])
 
 

@@ -5,17 +5,17 @@ tests/gpu/test_mla_decode_fp8_gpu.py). Registers and stack bytes come from the c
 (``cuobjdump -res-usage``), the instruction counts from its PTX and SASS.
 
 Triton's ahead-of-time entry (``triton.compile`` on a Gluon source for ``GPUTarget("cuda", 90, 32)``) needs
-no driver. It runs in a child process: the test session sets ``TRITON_INTERPRET=1`` for the portable
-kernels, and under it Triton's own reduction helpers are interpreter functions Gluon cannot compile."""
+no driver. It runs in a child process (the session's one launch of such compiles: tests/sm90_compiles.py): the
+test session sets ``TRITON_INTERPRET=1`` for the portable kernels, and under it Triton's own reduction helpers
+are interpreter functions Gluon cannot compile."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from unimem_compile.ops import mla_decode_hopper as hop
+
+from .. import sm90_compiles
 
 if hop.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
@@ -86,18 +86,17 @@ print("RESULT " + json.dumps({name: (compile_fp8_variant if name.startswith("fp8
 '''
 
 
+_VARIANTS = {"default": {}, "late_refill": {"EARLY_REFILL": False}, "h16": {"BLOCK_H": 16, "SPLIT": False},
+             # the fp8 form: e4m3fn through the hardware conversion at 32 heads, e4m3fnuz through the integer
+             # decoder at 16 (each compile costs CI ~6 s: two cover both formats and both head blockings)
+             "fp8_e4m3fn": {}, "fp8_e4m3fnuz_h16": {"HW_FP8": False, "FNUZ": True, "BLOCK_H": 16, "SPLIT": False}}
+sm90_compiles.register("mla_decode_hopper", _CHILD, [json.dumps(_VARIANTS)])
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    variants = {"default": {}, "late_refill": {"EARLY_REFILL": False}, "h16": {"BLOCK_H": 16, "SPLIT": False},
-                # the fp8 form: e4m3fn through the hardware conversion at 32 heads, e4m3fnuz through the integer
-                # decoder at 16 (each compile costs CI ~6 s: two cover both formats and both head blockings)
-                "fp8_e4m3fn": {}, "fp8_e4m3fnuz_h16": {"HW_FP8": False, "FNUZ": True, "BLOCK_H": 16, "SPLIT": False}}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))  # a real compile, not a cache hit
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(variants)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+def compiled():
+    lines = [ln for ln in sm90_compiles.run("mla_decode_hopper").splitlines() if ln.startswith("RESULT ")]
+    assert lines, "the compile script printed no RESULT line"
     return json.loads(lines[0][len("RESULT "):])
 
 

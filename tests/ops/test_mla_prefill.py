@@ -14,6 +14,8 @@ from unimem_compile.hf.models import model_config
 from unimem_compile.ops import mla_prefill as mp
 from unimem_compile.pool import ArenaLayout, LinearStateSpec, MLASpec, UnifiedPool
 
+from .. import sm90_compiles
+
 CFG = model_config("kimi-linear-tiny")
 H, R, DR = CFG.num_attention_heads, CFG.kv_lora_rank, CFG.qk_rope_head_dim
 DN, DV = CFG.qk_nope_head_dim, CFG.v_head_dim
@@ -364,20 +366,17 @@ for running in ("*fp32", "*bf16"):
 '''
 
 
-def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills(tmp_path):
+sm90_compiles.register("mla_prefill_hopper", _HOPPER_CHILD)
+
+
+def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills():
     # CI has no GPU: compile the attention kernel for sm_90 ahead of time (no driver needed) with the tiles
     # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry. A child process, because this test
-    # process runs Triton in the interpreter.
+    # process runs Triton in the interpreter (the session's one launch of such compiles: tests/sm90_compiles.py).
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _HOPPER_CHILD], env=env, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and len(lines) == 2, f"compile failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    lines = [ln for ln in sm90_compiles.run("mla_prefill_hopper").splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 2, f"the compile script printed {len(lines)} RESULT lines, not 2"
     for k in (json.loads(line[len("RESULT "):]) for line in lines):
         _check_hopper_compile(k)
 
