@@ -65,6 +65,22 @@ def test_inference_mode_inside_and_outside_mix_freely():
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
 
 
+def test_step_buffers_first_made_inside_inference_mode_are_written_outside_it():
+    # transformers' own decode loop reads the handle's step buffers (the runner has its own, so the test above
+    # does not reach them); an inference tensor would refuse the in-place writes of every later call
+    model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=2, max_seq_len=32,
+                                   page_size=8, backend="aot_eager")  # nothing is traced before a call
+    with torch.inference_mode():
+        buffers = model.unimem.step_buffers(2)
+    tensors = {name: getattr(buffers, name) for name in ("page_table", "kv_len", "out_offset", "slot_ids",
+                                                         "decode_loc")}
+    assert {name: t.is_inference() for name, t in tensors.items()} == dict.fromkeys(tensors, False)
+    values = torch.randint(0, 7, tensors["kv_len"].shape, generator=torch.Generator().manual_seed(5),
+                           dtype=tensors["kv_len"].dtype)
+    tensors["kv_len"].copy_(values)  # outside inference mode: an inference tensor raises here
+    assert torch.equal(model.unimem.step_buffers(2).kv_len, values)
+
+
 def test_releasing_a_cache_in_another_thread_waits_for_a_running_generate(small):
     """Returning a cache's rows empties the step buffers its batch size shares: a release from another thread
     between a running generate()'s prepare_step and its forward used to feed that step empty page tables
