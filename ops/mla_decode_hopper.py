@@ -186,6 +186,21 @@ if gluon is not None:
         return alpha[None, :], m_new, l_i
 
     @gluon.jit
+    def _value_products(kv_smem, base, p_smem, a2, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7):
+        # O^T += V^T P^T for the eight 64-column value chunks of one tile (buffers base .. base + 7 of
+        # kv_smem), each accumulator rescaled by the online softmax's a2 first; issued async, in chunk order
+        # (the callers retire them in that order: wgmma groups complete in order)
+        acc0 = warpgroup_mma(kv_smem.index(base + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
+        acc1 = warpgroup_mma(kv_smem.index(base + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
+        acc2 = warpgroup_mma(kv_smem.index(base + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
+        acc3 = warpgroup_mma(kv_smem.index(base + 3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
+        acc4 = warpgroup_mma(kv_smem.index(base + 4).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
+        acc5 = warpgroup_mma(kv_smem.index(base + 5).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
+        acc6 = warpgroup_mma(kv_smem.index(base + 6).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
+        acc7 = warpgroup_mma(kv_smem.index(base + 7).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    @gluon.jit
     def _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
                   s, start, end, H, num_splits, R: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
                   head_l: gl.constexpr, num_warps: gl.constexpr, CHUNK: gl.constexpr):
@@ -259,14 +274,7 @@ if gluon is not None:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
         zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
-        acc0 = zero
-        acc1 = zero
-        acc2 = zero
-        acc3 = zero
-        acc4 = zero
-        acc5 = zero
-        acc6 = zero
-        acc7 = zero
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
         gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
         offs_t = gl.arange(0, BLOCK_N, layout=row_l)
         offs_tl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
@@ -291,14 +299,8 @@ if gluon is not None:
                                      is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
             a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
-            acc0 = warpgroup_mma(kv_smem.index(base + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
-            acc1 = warpgroup_mma(kv_smem.index(base + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
-            acc2 = warpgroup_mma(kv_smem.index(base + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
-            acc3 = warpgroup_mma(kv_smem.index(base + 3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
-            acc4 = warpgroup_mma(kv_smem.index(base + 4).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
-            acc5 = warpgroup_mma(kv_smem.index(base + 5).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
-            acc6 = warpgroup_mma(kv_smem.index(base + 6).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
-            acc7 = warpgroup_mma(kv_smem.index(base + 7).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _value_products(
+                kv_smem, base, p_smem, a2, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
             if EARLY_REFILL:
                 # refill buffer `st` with tile j + STAGES chunk by chunk as the products release it: the rope
                 # chunk now (only the score product read it), value chunk c once the c-th product is done
@@ -419,14 +421,7 @@ if gluon is not None:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
         zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
-        acc0 = zero
-        acc1 = zero
-        acc2 = zero
-        acc3 = zero
-        acc4 = zero
-        acc5 = zero
-        acc6 = zero
-        acc7 = zero
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
         offs_t = gl.arange(0, BLOCK_N, layout=row_l)
         offs_tl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
         # tile 0's values; later tiles' are dequantised at the end of the iteration before theirs
@@ -450,14 +445,8 @@ if gluon is not None:
             _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(st),
                             row_next, st, j + STAGES < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
             a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
-            acc0 = warpgroup_mma(kv_smem.index(0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
-            acc1 = warpgroup_mma(kv_smem.index(1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
-            acc2 = warpgroup_mma(kv_smem.index(2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
-            acc3 = warpgroup_mma(kv_smem.index(3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
-            acc4 = warpgroup_mma(kv_smem.index(4).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
-            acc5 = warpgroup_mma(kv_smem.index(5).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
-            acc6 = warpgroup_mma(kv_smem.index(6).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
-            acc7 = warpgroup_mma(kv_smem.index(7).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _value_products(
+                kv_smem, 0, p_smem, a2, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
             # the next tile's values, chunk by chunk as these products release the buffer. After the last tile
             # there is none: the wait is skipped and the stale stage's values are never read (a runtime `if`
             # cannot hold the accumulator waits)
