@@ -21,7 +21,6 @@ use (``decode._own_blas_workspace`` handles that one) or a kernel's own scratch 
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable
 
 import torch
@@ -50,33 +49,22 @@ class CapturedInputs:
         what: the step, as the error names it (e.g. ``"the captured decode step of bucket 4 (sampling=False)"``).
         tensors: ``(name, read)`` pairs. ``read`` is either a function returning the tensor the step reads
             under ``name`` now, by reading the same attribute path again (so a re-assigned attribute is
-            seen), or a ``(mapping, key)`` pair naming the entry ``mapping[key]`` (a module's
-            ``_parameters`` / ``_buffers`` table: the fast form, checked without a Python call per entry; a
-            key removed from the mapping reads as None).
+            seen), or a ``(dict, key)`` pair naming the entry ``dict[key]`` (a module's ``_parameters`` /
+            ``_buffers`` table; a key removed from it reads as None).
 
     Raises:
         TypeError: a ``read`` that does not give a tensor (at construction).
 
     The tensors read at construction stay referenced by this object (their memory cannot be freed while it
-    exists: keep it as long as the graph). Host cost of :meth:`check` on this project's idle 2-core CI CPU
-    (600 entries, medians of 7 rounds): about 0.23 us per ``(mapping, key)`` entry and 0.28 us per function
-    entry (0.5-1 us on a loaded machine); most of it is reading each tensor's address and shape through
-    torch. The decode runner records a model's P parameters and buffers as mapping entries, and ~30 function
-    entries.
+    exists: keep it as long as the graph). Host cost of :meth:`check` on this project's idle 2-core CI CPU:
+    about 0.3 us per entry (0.5-1 us on a loaded machine), most of it reading each tensor's address and
+    shape through torch; the decode runner records a model's P parameters and buffers and ~30 more.
     """
 
-    def __init__(self, what: str, tensors: Iterable[tuple[str, Callable[[], torch.Tensor] | tuple[Mapping, str]]]):
+    def __init__(self, what: str, tensors: Iterable[tuple[str, Callable[[], torch.Tensor] | tuple[dict, str]]]):
         self.what = what
         self._entries: list[tuple[str, Callable[[], torch.Tensor], torch.Tensor, tuple]] = []
-        # the (mapping, key) entries again, as parallel lists for check()'s vectorised fast path
-        self._tables: list[dict] = []
-        self._keys: list = []
-        self._kept: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._shapes: list[torch.Size] = []
-        self._calls: list[tuple[str, Callable[[], torch.Tensor], torch.Tensor, tuple]] = []
         for name, read in tensors:
-            table = None
             if isinstance(read, tuple):
                 table, key = read
                 if not isinstance(table, dict):
@@ -86,16 +74,7 @@ class CapturedInputs:
             t = read()
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{what}: {name} is a {type(t).__name__}, not a tensor")
-            entry = (name, read, t, describe(t))
-            self._entries.append(entry)
-            if table is None:
-                self._calls.append(entry)
-            else:
-                self._tables.append(table)
-                self._keys.append(key)
-                self._kept.append(t)
-                self._ptrs.append(entry[3][0])
-                self._shapes.append(t.shape)
+            self._entries.append((name, read, t, describe(t)))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -114,24 +93,12 @@ class CapturedInputs:
             CapturedInputMoved: the first entry (in recording order) that differs (its name, both
                 descriptions); nothing was replayed or changed.
         """
-        # fast path, the common case: each entry is the captured object itself, at its address, with its
-        # shape (its strides and dtype change only with its address: set_, .data = ...)
-        kept = self._kept
-        if kept and not (all(map(operator.is_, map(dict.get, self._tables, self._keys), kept))
-                         and list(map(torch.Tensor.data_ptr, kept)) == self._ptrs
-                         and list(map(torch.Tensor.size, kept)) == self._shapes):
-            self._check_all()
-        for name, read, kept_t, captured in self._calls:
+        for name, read, kept, captured in self._entries:
             now = read()
-            if now is kept_t and now.data_ptr() == captured[0] and now.shape == captured[1]:
+            # fast path, the common case: the captured object itself, at its address, with its shape (its
+            # strides and dtype change only with its address: set_, .data = ...)
+            if now is kept and now.data_ptr() == captured[0] and now.shape == captured[1]:
                 continue
-            if not isinstance(now, torch.Tensor) or describe(now) != captured:
-                self._check_all()
-
-    def _check_all(self) -> None:
-        # something differs: find the first entry in recording order that does, and raise for it
-        for name, read, _, captured in self._entries:
-            now = read()
             if not isinstance(now, torch.Tensor) or describe(now) != captured:
                 self._raise(name, captured, now)
 
