@@ -21,7 +21,6 @@ import collections
 import copy
 import logging
 import numbers
-import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..errors import GeometryError, UnimemError
+from ..pool.allocator import as_int
 from ..runner.rng import draw_seeds
 from ..runner.rows import GenerationSettingError, RowSettings
 from .engine import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_RESERVE_FRACTION, Engine, EngineRequest, Phase
@@ -454,8 +454,11 @@ class ContinuousBatchingManager:
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         label = "the request" if request_id is None else f"request {request_id!r}"
         if max_new_tokens is not None:  # numpy and 0-d tensor ints too, as generate() takes them
-            count = None if isinstance(max_new_tokens, bool) else _index(max_new_tokens)
-            if count is None or count <= 0:
+            try:
+                count = as_int(max_new_tokens, "max_new_tokens")
+            except TypeError:  # a bool, a float, ...
+                count = 0
+            if count <= 0:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
             max_new_tokens = count
         stops = kwargs.pop("stop_sequences", None) or ()
@@ -531,14 +534,6 @@ def _prompt_list(inputs, where: str) -> list:
         raise ValueError(f"{where} takes a list of prompts, got one list of {len(inputs)} token ids: wrap a "
                          "single prompt as [prompt]")
     return inputs
-
-
-def _index(value) -> int | None:
-    """``value`` as an int when it is one (Python, numpy, 0-d integer tensor), else None."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _token_list(values, what: str) -> list[int]:

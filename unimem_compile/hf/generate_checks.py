@@ -13,12 +13,12 @@ import copy
 import dataclasses
 import functools
 import inspect
-import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import GeometryError, UnsupportedModel
+from ..pool.allocator import as_int
 from .cache import UnifiedCache
 
 if TYPE_CHECKING:
@@ -137,12 +137,10 @@ def _token_count(value, name: str) -> int:
 
     Raises:
         TypeError: ``value`` is a bool or not an integer (Python, numpy or 0-d integer tensor)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be an int (a number of tokens), got {type(value).__name__} {value!r}")
+    try:
+        return as_int(value, name)
+    except TypeError:
+        raise TypeError(f"{name} must be an int (a number of tokens), got {type(value).__name__} {value!r}") from None
 
 
 def _max_total_length(model, kwargs, prompt_len: int, config) -> int:
@@ -232,7 +230,6 @@ def _with_input_ids(input_ids: torch.Tensor, args: tuple, kwargs: dict) -> tuple
     return (input_ids, *args[1:]), kwargs
 
 
-
 def _check_token_ids(model, input_ids):
     """Refuse a token id outside ``[0, vocab_size)`` of the model's input embedding before the prefill.
 
@@ -255,6 +252,7 @@ def _check_token_ids(model, input_ids):
         row, position = (int(i) for i in outside.nonzero()[0])
         raise ValueError(f"input_ids holds token id {int(input_ids[row, position])} at [row {row}, position "
                          f"{position}], outside the vocabulary [0, {vocab}) of the model's input embedding")
+
 
 def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) -> GenerateCall:
     """Check a generate() call on ``model`` (compiled, with ``handle``) and resolve what it asks for.
