@@ -66,3 +66,8 @@ def run(name: str) -> str:
     r = _RESULTS[name]
     assert r["error"] is None, f"compile failed:\n{r['error']}"
     return r["stdout"]
+
+
+def results(name: str) -> list:
+    """The JSON values the registered script ``name`` printed, one per ``RESULT <json>`` line (:func:`run`)."""
+    return [json.loads(line[len("RESULT "):]) for line in run(name).splitlines() if line.startswith("RESULT ")]

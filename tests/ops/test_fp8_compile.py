@@ -9,8 +9,6 @@ Triton's ahead-of-time entry (``triton.compile`` for ``GPUTarget("cuda", 90, 32)
 in a child process without ``TRITON_INTERPRET`` (the test session sets it, and under it the kernels are
 interpreter functions): the session's one launch of such compiles (tests/sm90_compiles.py)."""
 
-import json
-
 import pytest
 
 from .. import sm90_compiles
@@ -75,9 +73,9 @@ sm90_compiles.register("fp8_compile", _CHILD)
 
 @pytest.fixture(scope="module")
 def compiled():
-    lines = [ln for ln in sm90_compiles.run("fp8_compile").splitlines() if ln.startswith("RESULT ")]
-    assert lines, "the compile script printed no RESULT line"
-    return json.loads(lines[0][len("RESULT "):])
+    out = sm90_compiles.results("fp8_compile")
+    assert out, "the compile script printed no RESULT line"
+    return out[0]
 
 
 def test_both_formats_build_for_sm90_without_fp8_conversion_instructions(compiled):

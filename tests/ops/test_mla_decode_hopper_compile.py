@@ -95,9 +95,9 @@ sm90_compiles.register("mla_decode_hopper", _CHILD, [json.dumps(_VARIANTS)])
 
 @pytest.fixture(scope="module")
 def compiled():
-    lines = [ln for ln in sm90_compiles.run("mla_decode_hopper").splitlines() if ln.startswith("RESULT ")]
-    assert lines, "the compile script printed no RESULT line"
-    return json.loads(lines[0][len("RESULT "):])
+    out = sm90_compiles.results("mla_decode_hopper")
+    assert out, "the compile script printed no RESULT line"
+    return out[0]
 
 
 def test_the_kernel_compiles_to_tma_loads_and_wgmma_with_its_ring_in_shared_memory(compiled):

@@ -373,11 +373,9 @@ def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills()
     # CI has no GPU: compile the attention kernel for sm_90 ahead of time (no driver needed) with the tiles
     # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry. A child process, because this test
     # process runs Triton in the interpreter (the session's one launch of such compiles: tests/sm90_compiles.py).
-    import json
-
-    lines = [ln for ln in sm90_compiles.run("mla_prefill_hopper").splitlines() if ln.startswith("RESULT ")]
-    assert len(lines) == 2, f"the compile script printed {len(lines)} RESULT lines, not 2"
-    for k in (json.loads(line[len("RESULT "):]) for line in lines):
+    out = sm90_compiles.results("mla_prefill_hopper")
+    assert len(out) == 2, f"the compile script printed {len(out)} RESULT lines, not 2"
+    for k in out:
         _check_hopper_compile(k)
 
 
