@@ -220,9 +220,10 @@ class StopMatcher:
         completed by later, armed text still matches."""
         if self.stopped:
             return ""
-        start = len(self._pending)
+        # a match may end at any character this text adds (none, unarmed)
+        first_end = len(self._pending) + 1 if armed else len(self._pending) + len(text) + 1
         self._pending += text
-        for end in range(start + 1 if armed else len(self._pending) + 1, len(self._pending) + 1):
+        for end in range(first_end, len(self._pending) + 1):
             hits = [end - len(s) for s in self.stops if self._pending.endswith(s, 0, end)]
             if hits:
                 self.stopped = True
