@@ -229,8 +229,6 @@ def kernel_name(choice: str, kv_dtype: torch.dtype = torch.bfloat16) -> str:
     return "wgmma" if fits else "portable"
 
 
-
-
 def hot_ms(fn, calls: int = 20, replays: int = 10) -> float:
     """Median ms per call of ``calls`` back-to-back calls of ``fn`` in one CUDA graph, L2 NOT flushed:
     after the first call the data ``fn`` reads sits in L2 if it fits."""
