@@ -19,16 +19,18 @@
 #          bench_mla_decode_fp8's grid arguments, default --quick; FP8_DECODE_GRID=" " times the full grid)
 #          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
 #          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
-#          their wheels in .whl/ (pip download --no-deps -d .whl starlette uvicorn sse-starlette prometheus-client
-#          h11 anyio sniffio httpx2 httpcore2 pydantic pydantic-core annotated-types typing-inspection
-#          -c constraints/ci.txt) where the machine lacks them)
+#          their wheels in .whl/ where the machine lacks them: starlette uvicorn sse-starlette pydantic pydantic-core
+#          (cp312) annotated-types typing-inspection at constraints/ci.txt's versions; the H200 image has anyio, h11,
+#          prometheus-client and httpx (the load generator's client falls back to it: httpcore2 needs truststore))
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 # carried wheels: flash-linear-attention (fla_core) goes to a folder of its own that only the steps in FLA_STEPS
 # see: it autotunes its KDA kernels on each new shape's first call (~90 s on an H200), which made the test slots
 # overrun (tenth session: 21 model tests in 380 s with fla importable, the same tests in ~140 s without)
-FLA_STEPS=${FLA_STEPS:-"bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda"}
+# (twelfth session: bench_serving and bench_serving_http ran without it, so their prefills took the KDA reference
+# path: add them, the engine prefills through the same chunked KDA kernels as generate())
+FLA_STEPS=${FLA_STEPS:-"bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving bench_serving_http"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
   others=$(ls .whl/*.whl | grep -v '/fla_core-')

@@ -42,7 +42,10 @@ def _run(scenario: str, mode: str) -> subprocess.CompletedProcess:
 
     env = dict(os.environ)
     root = str(Path(unimem_compile.__file__).resolve().parents[1])  # the package this session imports
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # the script imports tests.prompts: the checkout's root goes last, after the package (on the GPU machine the
+    # package is benchmarks/device_env.sh's shim, and the checkout's own unimem_compile/ lacks ops/ and passes/)
+    repo = str(SCRIPT.resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH"), repo) if p)
     return subprocess.run([sys.executable, "-P", str(SCRIPT), scenario, mode], capture_output=True, text=True,
                           env=env, timeout=240)
 
