@@ -41,13 +41,19 @@ GPU, full run (one H200; ~2 x 3000 requests per system: budget about 15-25 minut
 a rate near capacity; run systems in separate device calls, each writes its JSON):
     python benchmarks/bench_serving.py --systems unified --traces stationary,phased --rate R \
         --out $OUT/serving_unified.json
-GPU, reduced (fits a few minutes): --scale 0.05 --systems unified,static0.5 --traces phased
+GPU, reduced (fits a few minutes): --scale 0.05 --budget-gib 0.75 --max-batch 32 --systems static0.5,unified
+    --traces phased --rate 8. The arena shrinks with the trace: at scale 0.05 the phased burst has 3 long-context
+    requests, and 6 GiB holds ~2.8M tokens or 488 state slots of this model (``unimem-compile pool-info``), so
+    memory never binds (2026-12-01: 14% peak occupancy, both systems capped by 32 rows alike). 0.75 GiB holds
+    343k tokens or 60 slots (13.2 MB each): 32 chat rows' slots (~420 MB) beside the burst's 16k-96k-token
+    prompts (37-221 MB each) contend as the full run's 6 GiB does with its 60; a 50/50 split holds 30 slots.
 CPU smoke (tiny model, seconds after compiles): python benchmarks/bench_serving.py --device cpu --smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -191,7 +197,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     prompts = [rng.integers(0, vocab, r["prompt"]).tolist() for r in trace]
     refused = []
     graphs_before = _compiled_graphs()
-    with torch.no_grad():
+    with torch.no_grad(), TritonCompiles() as jit:
         manager.start()
         start = time.perf_counter()
         watcher = threading.Thread(target=monitor, args=(start,), daemon=True)
@@ -249,8 +255,45 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
         # graphs Dynamo compiled inside the timed window (warm_up should leave none): a run that compiles pays
         # for it in its TTFT and tokens/s, and the systems run one after another, so the first would pay alone
         "graphs_compiled_in_run": _compiled_graphs() - graphs_before,
+        # Triton kernels specialised inside the timed window (a new int-argument specialisation of a custom op's
+        # kernel compiles, or loads from the disk cache, on the engine thread): None where Triton has no hook
+        "triton_compiles_in_run": len(jit.names) if jit.available else None,
+        "triton_kernels_compiled_in_run": dict(collections.Counter(jit.names)) if jit.available else None,
         "timeline": {**timeline, "tokens_per_s": rate},
     }
+
+
+class TritonCompiles:
+    """Context manager counting Triton JIT compiles while it is active: every kernel specialisation a
+    ``@triton.jit`` / Gluon function builds in this process (compiled, or loaded from Triton's disk cache), through
+    ``triton.knobs.runtime.jit_post_compile_hook`` (a hook already there is kept and called). ``names`` lists
+    the kernels' names, one per compile; ``available`` is False where this Triton has no such hook. Inductor's
+    own kernels are built when Dynamo compiles a graph and are not counted here."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.available = False
+        self._runtime = self._previous = None
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+            runtime = knobs.runtime
+            previous = runtime.jit_post_compile_hook
+        except (ImportError, AttributeError):
+            return self
+        self._runtime, self._previous, self.available = runtime, previous, True
+
+        def hook(*args, **kwargs):
+            self.names.append(str(kwargs.get("repr", "?")).split("[", 1)[0])
+            return previous(*args, **kwargs) if previous is not None else None
+
+        runtime.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.available:
+            self._runtime.jit_post_compile_hook = self._previous
 
 
 def _compiled_graphs() -> int:
@@ -525,8 +568,8 @@ def main(argv=None) -> int:
             r["wall_s"] = time.perf_counter() - t0
             results[name][system] = r
             brief = {k: r.get(k) for k in ("mean_concurrent", "peak_concurrent", "preemptions", "ttft_p99_s",
-                                           "output_tokens_per_s", "refused_with_room", "leaked_pages", "graphs_compiled_in_run",
-                                           "error")}
+                                           "output_tokens_per_s", "refused_with_room", "leaked_pages",
+                                           "graphs_compiled_in_run", "triton_compiles_in_run", "error")}
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
         u, half = results[name].get("unified"), results[name].get("static0.5")
         if u and half and half.get("mean_concurrent"):

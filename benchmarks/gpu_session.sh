@@ -11,7 +11,8 @@
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
-#          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit)
+#          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit;
+#          the reduced run's arena shrinks with its trace so that memory binds: bench_serving's docstring says why)
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
@@ -136,7 +137,7 @@ for s in "$@"; do
     bench_generate_fp8) run_step bench_generate_fp8 "${GEN_LIMIT:-400}" python3 -P benchmarks/bench_generate.py --kv-dtype fp8_e4m3 --out /tmp/gen_fp8 \
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate_fp8.json" ;;
     bench_serving) run_step bench_serving "${SERVE_LIMIT:-570}" python3 -P benchmarks/bench_serving.py \
-                     --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --max-batch 32 --systems unified,static0.5 --traces phased --rate 8 --step-check} ;;
+                     --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --budget-gib 0.75 --max-batch 32 --systems static0.5,unified --traces phased --rate 8 --step-check} ;;
     bench_serving_http) run_step bench_serving_http 590 python3 -P benchmarks/bench_serving_http.py \
                           --scale "${HTTP_SCALE:-0.05}" --duration "${HTTP_DURATION:-60}" --rate "${HTTP_RATE:-4}" \
                           --out "$OUT/json/serving_http.json" ;;

@@ -276,6 +276,29 @@ def test_serving_traces_follow_their_definition():
     assert small[149]["arrival"] == pytest.approx(phased[149]["arrival"])  # same rate, shorter trace
 
 
+def test_serving_counts_triton_compiles_through_the_hook_and_restores_the_one_there():
+    """bench_serving.TritonCompiles (a run's ``triton_compiles_in_run``): one name per post-compile hook call, the
+    hook already installed still called with the same arguments, and put back on exit."""
+    knobs = pytest.importorskip("triton").knobs
+    bench = _script("bench_serving")
+    seen = []
+
+    def previous(*args, **kwargs):
+        seen.append(kwargs["repr"])
+
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = previous
+    try:
+        with bench.TritonCompiles() as jit:
+            for name in ("_mla_prefill_kernel", "_kda_step_kernel", "_mla_prefill_kernel"):
+                knobs.runtime.jit_post_compile_hook(key=(name,), repr=f"{name}[num_warps=4](n: i32)", fn=None)
+        assert jit.available and jit.names == ["_mla_prefill_kernel", "_kda_step_kernel", "_mla_prefill_kernel"]
+        assert seen == [f"{n}[num_warps=4](n: i32)" for n in jit.names]
+        assert knobs.runtime.jit_post_compile_hook is previous
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_cuda_kernels_refuses_without_cuda_instead_of_reporting_no_launch():
     from unimem_compile.profiling import cuda_kernels
