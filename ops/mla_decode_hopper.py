@@ -350,19 +350,26 @@ if gluon is not None:
         _tma_load(scale_desc, [row0, SCALE_COL], bar, scale_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
-                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
-                          FNUZ: gl.constexpr):
-        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), the value
-        # fp8.dequantize_rows gives (one fp32 product, rounded once), zero for tokens past the end (`keep`
-        # [64, 1]: their bytes may be NaN codes)
+    def _scaled_values(c: gl.constexpr, code_smem, scale_smem, stage, cv: gl.constexpr, NC: gl.constexpr,
+                       CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
+        # fp32(code) * scale [64 rows, 64] (layout cv) of value chunk c of the tile in ring stage `stage`: rounded
+        # once to bf16 by the caller, that is the value fp8.dequantize_rows gives
         codes = code_smem.index(stage * NC + c).load(cv)
         if HW_FP8:
             values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         else:
             values = fp8.fp8_decode(codes, FNUZ)
         scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
-        kv_smem.index(c).store(gl.where(keep, values * scale, 0.0).to(kv_smem.dtype))
+        return values * scale
+
+    @gluon.jit
+    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
+                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
+                          FNUZ: gl.constexpr):
+        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), zero for
+        # tokens past the end (`keep` [64, 1]: their bytes may be NaN codes)
+        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        kv_smem.index(c).store(gl.where(keep, values, 0.0).to(kv_smem.dtype))
 
     @gluon.jit
     def _retire_then_dequantize(acc, outstanding: gl.constexpr, c: gl.constexpr, code_smem, scale_smem, kv_smem,
@@ -488,14 +495,9 @@ if gluon is not None:
                                HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
         # _dequantize_chunk without the per-value select (the overlap form zeroes a partial tile's codes and
         # scales past the end beforehand: code 0 times scale 0 is +0, what the select gave): value chunk c of
-        # the tile in ring stage `stage` -> the bf16 chunk buffer `dst`, bf16(fp32(code) * scale)
-        codes = code_smem.index(stage * NC + c).load(cv)
-        if HW_FP8:
-            values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        else:
-            values = fp8.fp8_decode(codes, FNUZ)
-        scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
-        dst.store((values * scale).to(dst.dtype))
+        # the tile in ring stage `stage` -> the bf16 chunk buffer `dst`
+        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        dst.store(values.to(dst.dtype))
 
     @gluon.jit
     def _zero_rows_past_end(code_smem, scale_smem, stage, t0, end, cv: gl.constexpr, sv: gl.constexpr,
