@@ -26,7 +26,9 @@ batch >= 32 on an H200 (benchmarks/RESULTS.md).
 
 Scaled fp8 rows (e4m3fn / e4m3fnuz, 656 bytes at R 512, Dr 64) have a form of their own,
 :func:`mla_decode_stage1_wgmma_fp8`: the same products, softmax and epilogue (shared helpers), on bf16 values
-dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why).
+dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why),
+in two schedules of the same arithmetic: "serial" (the default) and "overlap" (not yet run on a GPU), which
+runs the dequantisation beside the products.
 
 Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 or e4m3 KV, ``page_size % 64 == 0`` (a 64-token tile is
 one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
