@@ -30,18 +30,25 @@ tile settings (``sweep_b64_c16384``; the defaults were chosen without a GPU meas
 token): the bf16 kernel's by default, the fp8 kernel's (dequantising included) with ``--kv-dtype``
 (issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s while dequantising).
 
+``--fp8-wgmma-ab`` times the Hopper fp8 kernel's forms against each other instead (``variant=`` of
+ops/mla_decode_hopper.py's ``mla_decode_stage1_wgmma_fp8``, :data:`FP8_WGMMA_VARIANTS`: "serial", the default,
+and "overlap", not yet run on a GPU before this mode), in one run: at :data:`FP8_QUICK_POINTS` each form and
+the bf16 Hopper kernel (CUDA-graph replay, L2 flushed; ``speedup_vs_bf16`` and issue 22's ``fp8_targets`` per
+form; ``outputs_equal``: the forms' outputs bit for bit), then each form on the L2-resident rows (TFLOP/s).
+
 ``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2|_l2_fp8].json`` in
 it, the names of record (docs/design.md section 8); an fp8 run with ``--kernel wgmma`` or ``portable`` adds
 the kernel's name (``mla_decode_<date>_fp8_wgmma.json``, ``_l2_fp8_wgmma``), so it sits beside the auto run.
 
 usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
-           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only]
+           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only] [--fp8-wgmma-ab]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -319,6 +326,54 @@ def fp8_targets(points: list[dict]) -> dict:
     return out
 
 
+#: the Hopper fp8 kernel's forms ``--fp8-wgmma-ab`` times against each other
+FP8_WGMMA_VARIANTS = mla_decode_hopper.FP8_WGMMA_VARIANTS
+
+
+def fp8_wgmma_ab(variants=FP8_WGMMA_VARIANTS, points=FP8_QUICK_POINTS) -> dict:
+    """The Hopper fp8 kernel's ``variants`` on e4m3fn rows and the bf16 Hopper kernel at ``points`` (CUDA-graph
+    replay, L2 flushed), the forms' outputs compared bit for bit, then each form on L2-resident rows."""
+    sm_scale = (DN + DR) ** -0.5
+    most = max(b * c for b, c in points)
+    setup, base = Setup(most, kv_dtype=torch.float8_e4m3fn), Setup(most, seed=1)
+    out = {"variants": list(variants), "points": [], "l2_points": []}
+    print(f"fp8 wgmma forms {list(variants)} beside the bf16 wgmma kernel (us, speed vs bf16):")
+    for batch, context in points:
+        a = setup.args(*setup.inputs(batch, context), sm_scale)
+        b_args = base.args(*base.inputs(batch, context), sm_scale)
+        bf16_ms = bench_graph(functools.partial(md.mla_decode_triton, *b_args, kernel="wgmma"))
+        point = {"batch": batch, "context": context, "bf16_ms": bf16_ms}
+        outputs = {}
+        for v in variants:
+            fn = functools.partial(md.mla_decode_triton, *a, kernel="wgmma", wgmma_fp8_variant=v)
+            outputs[v] = fn()
+            ms = bench_graph(fn)
+            point[v] = {"ms": ms, "tbs": effective_bytes(batch, context, setup.fmt.row_bytes) / ms / 1e9,
+                        "speedup_vs_bf16": bf16_ms / ms}
+        first = outputs[variants[0]]
+        point["outputs_equal"] = all(torch.equal(first, o) for o in outputs.values())
+        out["points"].append(point)
+        print(f"  b{batch} c{context}: bf16 {bf16_ms * 1e3:.1f}  " + "  ".join(
+            f"{v} {point[v]['ms'] * 1e3:.1f} ({point[v]['speedup_vs_bf16']:.2f}x)" for v in variants)
+            + f"  equal {point['outputs_equal']}")
+    out["fp8_targets"] = {v: fp8_targets([{"batch": p["batch"], "context": p["context"],
+                                           "speedup_vs_bf16": p[v]["speedup_vs_bf16"]} for p in out["points"]])
+                          for v in variants}
+    print("fp8 targets:", json.dumps(out["fp8_targets"]))
+    del setup, base
+    l2 = Setup(max(b * c for b, c in L2_POINTS), kv_dtype=torch.float8_e4m3fn)
+    for batch, context in L2_POINTS:
+        a = l2.args(*l2.inputs(batch, context), sm_scale)
+        point = {"batch": batch, "context": context}
+        for v in variants:
+            ms = hot_ms(functools.partial(md.mla_decode_triton, *a, kernel="wgmma", wgmma_fp8_variant=v))
+            point[v] = {"graph_ms_hot": ms, "tflops": batch * context * flops_per_token() / ms / 1e9}
+        out["l2_points"].append(point)
+        print(f"  L2-resident b{batch} c{context}: " + "  ".join(
+            f"{v} {point[v]['graph_ms_hot'] * 1e3:.1f} us {point[v]['tflops']:.1f} TFLOP/s" for v in variants))
+    return out
+
+
 def out_path(out: str, kv_dtype: torch.dtype, l2: bool, kernel: str = "auto") -> str:
     """``out`` itself, or for a folder the file name of record ``mla_decode_<date>[suffix].json`` (an fp8 run
     of a kernel chosen by name: ``_<kernel>`` after the fp8 suffix)."""
@@ -345,9 +400,19 @@ def main() -> None:
     ap.add_argument("--l2-ceiling", action="store_true",
                     help="only the compute-ceiling probe: the kernel on L2-resident rows (bf16, or --kv-dtype's), "
                          "in TFLOP/s")
+    ap.add_argument("--fp8-wgmma-ab", action="store_true",
+                    help="only the Hopper fp8 kernel's forms (serial, overlap) side by side with the bf16 one at the "
+                         "--quick fp8 points, and on L2-resident rows")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kv_dtype = kv_dtype_of(args.kv_dtype)
+    if args.fp8_wgmma_ab:
+        result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "triton": triton.__version__, "fp8_wgmma_ab": fp8_wgmma_ab()}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     if args.l2_ceiling:
         result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "triton": triton.__version__,

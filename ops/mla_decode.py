@@ -41,8 +41,8 @@ from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_ml
 from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
-from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma,
-                                mla_decode_stage1_wgmma_fp8, wgmma_supported)
+from .mla_decode_hopper import (FP8_WGMMA_VARIANT, FP8_WGMMA_VARIANTS, WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES,
+                                disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -509,8 +509,8 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, merge_block_r: int | None = None,
-    merge_block_s: int | None = None,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, wgmma_fp8_variant: str = FP8_WGMMA_VARIANT,
+    merge_block_r: int | None = None, merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
 
@@ -535,6 +535,10 @@ def mla_decode_triton(
             default split count assumes one resident program per SM.
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
             :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
+        wgmma_fp8_variant: the Hopper fp8 kernel's form, one of
+            :data:`~.mla_decode_hopper.FP8_WGMMA_VARIANTS` (default "serial"; "overlap" overlaps the
+            dequantisation with the products, same results, not yet run on a GPU, and needs
+            ``wgmma_stages == 2``); ignored elsewhere.
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
@@ -579,6 +583,8 @@ def mla_decode_triton(
     for name, value in (("merge_block_r", merge_block_r), ("merge_block_s", merge_block_s)):
         if value is not None:
             check_knob(op, name, value, power_of_two=True)
+    if wgmma_fp8_variant not in FP8_WGMMA_VARIANTS:
+        raise ValueError(f"{op}: wgmma_fp8_variant must be one of {FP8_WGMMA_VARIANTS}, got {wgmma_fp8_variant!r}")
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
     if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
@@ -635,7 +641,8 @@ def mla_decode_triton(
                 mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows.view(n_rows, g.row_bytes), g.row_format, v2p,
                                             page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
                                             P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
-                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages)
+                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages,
+                                            variant=wgmma_fp8_variant)
             else:
                 mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
                                         page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,

@@ -26,7 +26,9 @@ batch >= 32 on an H200 (benchmarks/RESULTS.md).
 
 Scaled fp8 rows (e4m3fn / e4m3fnuz, 656 bytes at R 512, Dr 64) have a form of their own,
 :func:`mla_decode_stage1_wgmma_fp8`: the same products, softmax and epilogue (shared helpers), on bf16 values
-dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why).
+dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why),
+in two schedules of the same arithmetic: "serial" (the default) and "overlap" (not yet run on a GPU), which
+runs the dequantisation beside the products.
 
 Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 or e4m3 KV, ``page_size % 64 == 0`` (a 64-token tile is
 one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
@@ -64,7 +66,8 @@ except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the 
     gluon = None
 
 __all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "mla_decode_stage1_wgmma_fp8", "fp8_row_descriptors",
-           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL"]
+           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL", "FP8_WGMMA_VARIANTS",
+           "FP8_WGMMA_VARIANT"]
 
 #: Tokens per tile (one TMA box of rows; wgmma M).
 WGMMA_BLOCK_N = 64
@@ -76,6 +79,12 @@ WGMMA_STAGES = 2
 #: Default of ``early_refill=``: refill a ring buffer chunk by chunk as the value products release it (else
 #: after all of them).
 WGMMA_EARLY_REFILL = True
+#: Forms of the fp8 kernel (``variant=`` of :func:`mla_decode_stage1_wgmma_fp8`): "serial" dequantises each tile
+#: between the previous tile's value products and its own score product; "overlap" (not yet run on a GPU)
+#: overlaps the dequantisation with both products (its docstring says how).
+FP8_WGMMA_VARIANTS = ("serial", "overlap")
+#: The default form: "serial", the one the GPU tests have checked (tests/gpu/test_mla_decode_fp8_gpu.py).
+FP8_WGMMA_VARIANT = "serial"
 
 
 #: Why the wgmma kernel was turned off in this process (None: it is not): set by :func:`disable_wgmma`.
@@ -343,19 +352,26 @@ if gluon is not None:
         _tma_load(scale_desc, [row0, SCALE_COL], bar, scale_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
-                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
-                          FNUZ: gl.constexpr):
-        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), the value
-        # fp8.dequantize_rows gives (one fp32 product, rounded once), zero for tokens past the end (`keep`
-        # [64, 1]: their bytes may be NaN codes)
+    def _scaled_values(c: gl.constexpr, code_smem, scale_smem, stage, cv: gl.constexpr, NC: gl.constexpr,
+                       CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
+        # fp32(code) * scale [64 rows, 64] (layout cv) of value chunk c of the tile in ring stage `stage`: rounded
+        # once to bf16 by the caller, that is the value fp8.dequantize_rows gives
         codes = code_smem.index(stage * NC + c).load(cv)
         if HW_FP8:
             values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         else:
             values = fp8.fp8_decode(codes, FNUZ)
         scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
-        kv_smem.index(c).store(gl.where(keep, values * scale, 0.0).to(kv_smem.dtype))
+        return values * scale
+
+    @gluon.jit
+    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
+                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
+                          FNUZ: gl.constexpr):
+        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), zero for
+        # tokens past the end (`keep` [64, 1]: their bytes may be NaN codes)
+        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        kv_smem.index(c).store(gl.where(keep, values, 0.0).to(kv_smem.dtype))
 
     @gluon.jit
     def _retire_then_dequantize(acc, outstanding: gl.constexpr, c: gl.constexpr, code_smem, scale_smem, kv_smem,
@@ -476,6 +492,159 @@ if gluon is not None:
                   s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
 
     @gluon.jit
+    def _dequantize_chunk_into(c: gl.constexpr, code_smem, scale_smem, dst, stage, cv: gl.constexpr,
+                               NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr,
+                               HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
+        # _dequantize_chunk without the per-value select (the overlap form zeroes a partial tile's codes and
+        # scales past the end beforehand: code 0 times scale 0 is +0, what the select gave): value chunk c of
+        # the tile in ring stage `stage` -> the bf16 chunk buffer `dst`
+        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
+        dst.store(values.to(dst.dtype))
+
+    @gluon.jit
+    def _zero_rows_past_end(code_smem, scale_smem, stage, t0, end, cv: gl.constexpr, sv: gl.constexpr,
+                            NC: gl.constexpr, BLOCK_N: gl.constexpr):
+        # a partial tile (tokens [t0, t0 + 64) with end inside): its codes and scales of rows >= end become 0 in
+        # shared memory (their bytes may be NaN codes or NaN scales), so dequantising them gives +0
+        keep = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cv)) < end)[:, None]
+        for c in gl.static_range(NC):
+            chunk = code_smem.index(stage * NC + c)
+            chunk.store(gl.where(keep, chunk.load(cv), 0))
+        keep_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sv)) < end)[:, None]
+        scales = scale_smem.index(stage)
+        scales.store(gl.where(keep_s, scales.load(sv), 0.0))
+
+    @gluon.jit
+    def _mla_decode_wgmma_fp8_overlap_kernel(
+        code_desc, rope_desc, scale_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr,
+        part_lse_ptr, out_ptr,
+        qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
+        R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+        STAGES: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr, SCALE_TILE: gl.constexpr,
+        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # the "overlap" form of _mla_decode_wgmma_fp8_kernel (mla_decode_stage1_wgmma_fp8 says why): the bf16
+        # values live in a ring of 12 chunk buffers (1.5 tiles), tile j's chunk c in buffer (8 j + c) % 12, so
+        # the next tile's chunks 0-3 are dequantised into the 4 free buffers while this tile's score product
+        # runs, and its chunks 4-7 into this tile's chunk 0-3 buffers as value products 0-3 retire
+        BLOCK_N: gl.constexpr = 64
+        CHUNK: gl.constexpr = 64
+        NC: gl.constexpr = R // CHUNK
+        HALF: gl.constexpr = NC // 2
+        gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
+        # the next tile's codes are waited for before this tile's stage is refilled: one stage would deadlock
+        gl.static_assert(STAGES == 2, "the overlap form needs a 2-deep ring (3 do not fit in shared memory)")
+        g = gl.program_id(0)
+        b = gl.program_id(1)
+        s = gl.program_id(2)
+        kv_ty: gl.constexpr = rope_desc.dtype
+        start, end, num_tiles = _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        head_l: gl.constexpr = gl.SliceLayout(0, mma)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols]
+        sv: gl.constexpr = gl.BlockedLayout([1, NC * CHUNK // SCALE_TILE], [32, 1], [num_warps, 1], [1, 0])
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], kv_ty)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
+
+        code_smem = gl.allocate_shared_memory(code_desc.dtype, [STAGES * NC, BLOCK_N, CHUNK], code_desc.layout)
+        rope_smem = gl.allocate_shared_memory(kv_ty, [STAGES, BLOCK_N, CHUNK], rope_desc.layout)
+        scale_smem = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N, NC * CHUNK // SCALE_TILE],
+                                               scale_desc.layout)
+        kv_smem = gl.allocate_shared_memory(kv_ty, [3 * HALF, BLOCK_N, CHUNK], kv_sl)  # 3 groups of 4 chunks
+        q_smem = gl.allocate_shared_memory(kv_ty, [NC + 1, BLOCK_H, CHUNK], q_sl)
+        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        pt_row_ptr = page_table_ptr + b.to(gl.int64) * stride_pt_b
+        for i in gl.static_range(STAGES):
+            row0 = _tile_row0(pt_row_ptr, v2p_ptr, start + i * BLOCK_N, end, num_pages, layer_rows, PS, L)
+            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(i), row0,
+                            i, i < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
+        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
+        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
+        offs_t = gl.arange(0, BLOCK_N, layout=row_l)
+        # tile 0's values: chunks 0-3 in group 0, 4-7 in group 1
+        mbarrier.wait(bars.index(0), 0, pred=num_tiles > 0)
+        if end - start < BLOCK_N:
+            _zero_rows_past_end(code_smem, scale_smem, 0, start, end, ld, sv, NC, BLOCK_N)
+        for c in gl.static_range(NC):
+            _dequantize_chunk_into(c, code_smem, scale_smem, kv_smem.index(c), 0, ld, NC, CHUNK, SCALE_TILE, HW_FP8,
+                                   FNUZ)
+        fence_async_shared()
+        for j in range(num_tiles):
+            st = j % STAGES
+            t0 = start + j * BLOCK_N
+            lo = (2 * j) % 3 * HALF  # tile j: chunks 0-3 in buffers lo.., 4-7 in hi..; the free group is nx..
+            hi = (2 * j + 1) % 3 * HALF
+            nx = (2 * j + 2) % 3 * HALF
+            row_next = _tile_row0(pt_row_ptr, v2p_ptr, t0 + STAGES * BLOCK_N, end, num_pages, layer_rows, PS, L)
+            sacc = warpgroup_mma(kv_smem.index(lo), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            for c in gl.static_range(1, HALF):
+                sacc = warpgroup_mma(kv_smem.index(lo + c), q_smem.index(c).permute((1, 0)), sacc, is_async=True)
+            for c in gl.static_range(HALF, NC):
+                sacc = warpgroup_mma(kv_smem.index(hi + c - HALF), q_smem.index(c).permute((1, 0)), sacc,
+                                     is_async=True)
+            sacc = warpgroup_mma(rope_smem.index(st), q_smem.index(NC).permute((1, 0)), sacc, is_async=True)
+            # while the score product runs: tile j + 1's codes (zeroed past the end if partial) and its chunks
+            # 0-3 into the free group. After the last tile the wait is skipped and the stale values never read
+            nst = (j + 1) % STAGES
+            mbarrier.wait(bars.index(nst), ((j + 1) // STAGES) & 1, pred=j + 1 < num_tiles)
+            if (j + 1 < num_tiles) & (end - t0 < 2 * BLOCK_N):
+                _zero_rows_past_end(code_smem, scale_smem, nst, t0 + BLOCK_N, end, ld, sv, NC, BLOCK_N)
+            for c in gl.static_range(HALF):
+                _dequantize_chunk_into(c, code_smem, scale_smem, kv_smem.index(nx + c), nst, ld, NC, CHUNK,
+                                       SCALE_TILE, HW_FP8, FNUZ)
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+            a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
+            acc0 = warpgroup_mma(kv_smem.index(lo + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
+            acc1 = warpgroup_mma(kv_smem.index(lo + 1).permute((1, 0)), p_smem, acc1 * a2, is_async=True)
+            acc2 = warpgroup_mma(kv_smem.index(lo + 2).permute((1, 0)), p_smem, acc2 * a2, is_async=True)
+            acc3 = warpgroup_mma(kv_smem.index(lo + 3).permute((1, 0)), p_smem, acc3 * a2, is_async=True)
+            acc4 = warpgroup_mma(kv_smem.index(hi + 0).permute((1, 0)), p_smem, acc4 * a2, is_async=True)
+            acc5 = warpgroup_mma(kv_smem.index(hi + 1).permute((1, 0)), p_smem, acc5 * a2, is_async=True)
+            acc6 = warpgroup_mma(kv_smem.index(hi + 2).permute((1, 0)), p_smem, acc6 * a2, is_async=True)
+            acc7 = warpgroup_mma(kv_smem.index(hi + 3).permute((1, 0)), p_smem, acc7 * a2, is_async=True)
+            # stage `st` is read (its values dequantised last iteration, its rope by the score product): refill it
+            # with tile j + STAGES now, behind the value products (the copies' barriers cost the tensor cores
+            # nothing here; before the softmax they would delay its products)
+            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(st),
+                            row_next, st, j + STAGES < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
+            # tile j + 1's chunks 4-7 into this tile's chunk 0-3 buffers, each once the value product that read
+            # it retired (groups retire in order), while products 4-7 still run
+            acc0 = warpgroup_mma_wait(num_outstanding=7, deps=(acc0,))
+            _dequantize_chunk_into(HALF + 0, code_smem, scale_smem, kv_smem.index(lo + 0), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ)
+            acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc1,))
+            _dequantize_chunk_into(HALF + 1, code_smem, scale_smem, kv_smem.index(lo + 1), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ)
+            acc2 = warpgroup_mma_wait(num_outstanding=5, deps=(acc2,))
+            _dequantize_chunk_into(HALF + 2, code_smem, scale_smem, kv_smem.index(lo + 2), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ)
+            acc3 = warpgroup_mma_wait(num_outstanding=4, deps=(acc3,))
+            _dequantize_chunk_into(HALF + 3, code_smem, scale_smem, kv_smem.index(lo + 3), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ)
+            # products 4-7 ran beside those four chunks; they must retire before the next softmax rewrites P
+            acc4, acc5, acc6, acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc4, acc5, acc6, acc7))
+            fence_async_shared()
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
+                  s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
+
+    @gluon.jit
     def _store_chunks(dst, ok, inv, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, st_l: gl.constexpr,
                       out_ty: gl.constexpr, CHUNK: gl.constexpr):
         gl.store(dst + 0 * CHUNK, gl.convert_layout((acc0 * inv).to(out_ty), st_l), mask=ok)
@@ -577,7 +746,8 @@ def fp8_row_descriptors(rows: torch.Tensor, fmt: MLARowFormat) -> tuple:
 
 def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, page_table, kv_len, part_o, part_lse, out,
                                 qk_scale: float, max_tokens: int, layer_rows: int, page_size: int, layer_num: int,
-                                splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES) -> None:
+                                splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES,
+                                variant: str = FP8_WGMMA_VARIANT) -> None:
     """Stage 1 on scaled fp8 rows (:class:`~unimem_compile.pool.specs.MLARowFormat`), grid ``(cdiv(H, block_h), B,
     splits)``: :func:`mla_decode_stage1_wgmma`'s products, softmax and outputs over the values
     ``bf16(fp32(code) * scale)``, the values :func:`.fp8.dequantize_rows` returns, so the result is the bf16
@@ -599,6 +769,40 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
     codes may be NaN), their scores masked to ``-inf``. Shared memory at block_h 32, 2 stages: 2 x 41 KiB ring
     + 64 KiB values + 36 KiB queries + 4 KiB probabilities = 186 KiB (one program per SM).
 
+    The "overlap" variant (``variant="overlap"``; NOT YET RUN ON A GPU, so not the default): the same values,
+    products and order of operations, scheduled so that the dequantisation runs beside the tensor cores
+    instead of between them. What the sm_90 SASS of the serial form (Triton 3.6.0, the H200's compiler) shows
+    per 64-token tile and thread of its one warpgroup: 2,567 instructions in the loop (the bf16 kernel: 1,041
+    on its full-tile path), of which the dequantisation is 128 ``F2FP.F16.E4M3.UNPACK_B`` + 256 ``HADD2.F32`` +
+    256 ``FMUL`` + 136 ``F2FP.BF16.F32.PACK_AB`` + 32 ``LDS.64`` codes + 32 ``LDS`` scales + 32 ``STS.128``
+    (both swizzles are met with 8-byte loads and 16-byte stores: no conflicts from the layouts), plus 259 ``SEL``
+    and 298 ``PRMT`` for the ``where`` that zeroes rows past the end (done on every tile, after the bf16
+    packing, value by value), and 65 ``LDL`` + 6 ``STL`` reloading the 520 bytes of spilled wgmma
+    descriptors (255 registers): 65 KiB of local memory per program, more than the L1 that 187 KiB of shared
+    memory leaves of an SM's 256 KiB, so likely L2 round trips ahead of the ``HGMMA`` they feed. The
+    measured 6.0 us per tile (batch 128, context 16k) is ~11,900 cycles for 2,567 instructions: an IPC of
+    ~0.2 for the one warp on each sub-partition, a latency-bound loop. And the order serialises: the score product of tile j + 1 waits for all of
+    its dequantisation, which overlaps only value products c + 1..7 of tile j. The overlap form:
+
+    * keeps the bf16 values in a ring of 12 chunk buffers (96 KiB, 1.5 tiles): tile j's chunk c in buffer
+      ``(8 j + c) % 12``. While tile j's score product runs, tile j + 1's chunks 0-3 are dequantised into the
+      4 free buffers; after its value products are issued, chunks 4-7 go into tile j's chunk 0-3 buffers as
+      value products 0-3 retire (wgmma groups retire in order), beside products 4-7;
+    * zeroes the codes and scales of rows past the end in shared memory once, on a partial tile only
+      (``fp32(0) * 0 = +0``, the bits the ``where`` gave), so a full tile's values are converted with no
+      select: 1,969 instructions per tile, no ``SEL``/``PRMT`` in the dequantisation, 48 bytes of stack
+      (6 ``LDL`` per tile);
+    * issues the ring refill (10 TMA copies, each behind a ``BAR.SYNC`` Triton's barrier analysis puts there)
+      after the value products, not between the score product and the softmax.
+
+    Shared memory: 2 x 41 KiB ring + 96 KiB values + 36 KiB queries + 4 KiB probabilities = 218 KiB (needs
+    ``stages == 2``: one stage would wait for the tile it has not yet asked for; three do not fit). What is
+    left per tile and SM: 264 ``F2FP`` per thread on the conversion pipe (at the 16 conversions per clock and
+    SM of the CUDA guide's table, ~2,100 cycles) and ~341 KB of shared-memory traffic (wgmma operands
+    204 KB at 32 heads, codes read 32 KB, values written 64 KB, TMA 41 KB; ~2,700 cycles at 128 B per
+    clock), against ~2,800 cycles (1.4 us) for 1.6x the bf16 kernel: the variant can reach the goal only if
+    those overlap almost perfectly; a GPU run (benchmarks/gpu_session.sh) decides.
+
     Args:
         q_nope, q_rope: ``[B, H, 512]`` / ``[B, H, 64]`` queries (bf16/fp16/fp32, last dim contiguous; rounded
             to bf16 for the products).
@@ -606,15 +810,23 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
         fmt: the row format (an fp8 KV dtype, R 512, Dr 64).
         hw_fp8: convert codes with the GPU's e4m3 conversion (e4m3fn only); else the integer decoder
             :func:`.fp8.fp8_decode` (e4m3fnuz: Triton has no e4m3fnuz type on sm_90). Both are exact.
-        stages: ring depth (>= 1).
+        stages: ring depth (>= 1; exactly 2 for "overlap").
+        variant: one of :data:`FP8_WGMMA_VARIANTS` (default :data:`FP8_WGMMA_VARIANT`, "serial").
         The rest: as :func:`mla_decode_stage1_wgmma`.
 
     Raises:
-        ValueError: from :func:`fp8_row_descriptors`.
+        ValueError: from :func:`fp8_row_descriptors`; an unknown ``variant``, or "overlap" with ``stages`` other
+            than 2.
     """
+    if variant not in FP8_WGMMA_VARIANTS:
+        raise ValueError(f"mla_decode_stage1_wgmma_fp8: variant must be one of {FP8_WGMMA_VARIANTS}, got {variant!r}")
+    if variant == "overlap" and stages != 2:
+        raise ValueError(f"mla_decode_stage1_wgmma_fp8: the overlap variant needs stages == 2 (1 would deadlock, 3 "
+                         f"do not fit in shared memory), got {stages}")
     codes, rope, scales = fp8_row_descriptors(rows, fmt)
     B, H, R = q_nope.shape
-    _mla_decode_wgmma_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
+    kernel = _mla_decode_wgmma_fp8_overlap_kernel if variant == "overlap" else _mla_decode_wgmma_fp8_kernel
+    kernel[(triton.cdiv(H, block_h), B, splits)](
         codes, rope, scales, q_nope, q_rope, v2p, page_table, kv_len, part_o, part_lse, out,
         qk_scale, v2p.numel(), max_tokens, layer_rows, H, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),

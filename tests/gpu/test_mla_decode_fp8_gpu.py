@@ -13,7 +13,9 @@ The portable fp8 split kernel (page sizes 64 and 16):
 * captured in a CUDA graph (as the decode runner replays it): a replay after new queries and lengths
   equals the eager call bit for bit.
 
-The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings):
+The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings), in both of its
+forms (``wgmma_fp8_variant`` "serial" and "overlap": the same dequantised values and products, scheduled
+differently, so the same expectations):
 
 * bit for bit the bf16 Hopper kernel's result on a bf16 arena holding the dequantised rows
   (``fp8.dequantize_rows`` of every row, same row indices, same split count): it dequantises exactly those
@@ -23,6 +25,7 @@ The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both h
 
 Run: ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_mla_decode_fp8_gpu.py``."""
 
+import functools
 import importlib
 import os
 
@@ -133,6 +136,8 @@ def test_fp8_kernel_replays_in_a_cuda_graph(fmt):
 
 
 WGMMA_CASES = [(32, [3000, 1, 0, 777, 64, 2049]), (16, [1000, 37, 513, 64])]
+# both forms of the Hopper fp8 kernel (mla_decode_stage1_wgmma_fp8's variant=): the same values and products
+VARIANTS = ["serial", "overlap"]
 
 
 def _queries(batch, heads, seed):
@@ -141,12 +146,13 @@ def _queries(batch, heads, seed):
             torch.randn(batch, heads, DR, device="cuda", generator=g).bfloat16())
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads, lens", WGMMA_CASES)
-def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(fmt, heads, lens):
+def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(fmt, heads, lens, variant):
     rows = Rows(fmt, 64, lens, seed=heads + 3)
     q_nope, q_rope = _queries(len(lens), heads, seed=9)
-    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma")
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma", wgmma_fp8_variant=variant)
     bf16 = list(rows.args(q_nope, q_rope))
     bf16[2], bf16[-1] = rows.bf16_arena(), torch.bfloat16
     want = md.mla_decode_triton(*bf16, kernel="wgmma")
@@ -154,12 +160,15 @@ def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(f
     assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads, lens", WGMMA_CASES)
-def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_bf16_roundings(fmt, heads, lens):
+def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_bf16_roundings(fmt, heads, lens,
+                                                                                                variant):
     rows = Rows(fmt, 64, lens, seed=heads + 5)
     q_nope, q_rope = _queries(len(lens), heads, seed=10)
-    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma").double().cpu()
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma",
+                               wgmma_fp8_variant=variant).double().cpu()
     for b, values in enumerate(rows.dequantised):
         values = values.cpu()
         if values.shape[0] == 0:
@@ -172,16 +181,18 @@ def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_
         assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt):
+def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt, variant):
     rows = Rows(fmt, 64, [1500, 700, 64, 3], seed=12)
     q_nope, q_rope = _queries(4, 32, seed=11)
     kv_len = rows.kv_len.clone()
-    out = md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma")  # compiles before the capture
+    run = functools.partial(md.mla_decode_triton, kernel="wgmma", wgmma_fp8_variant=variant)
+    out = run(*rows.args(q_nope, q_rope, kv_len))  # compiles before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma")
+        out = run(*rows.args(q_nope, q_rope, kv_len))
     q_nope.copy_(_queries(4, 32, seed=13)[0])
     kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
     graph.replay()
-    assert torch.equal(out, md.mla_decode_triton(*rows.args(q_nope, q_rope, kv_len), kernel="wgmma"))
+    assert torch.equal(out, run(*rows.args(q_nope, q_rope, kv_len)))

@@ -168,11 +168,24 @@ def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(
     assert kv_rows.data_ptr() == rows.pool.arena.data_ptr() and row_format == rows.fmt
     # qk_scale (base 2), max_tokens, layer_rows, page_size, layer_num, splits, block_h
     assert rest[6:] == (pytest.approx(SCALE * 1.4426950408889634), 2 * 64, LAYER * 64, 64, L, 3, 16)
-    assert kw == {"hw_fp8": fmt == torch.float8_e4m3fn, "stages": hop.WGMMA_STAGES}
+    assert kw == {"hw_fp8": fmt == torch.float8_e4m3fn, "stages": hop.WGMMA_STAGES, "variant": "serial"}
+    with pytest.raises(_Launched):  # the overlap form is asked for by name only (not yet run on a GPU)
+        md.mla_decode_triton(*args, kernel="wgmma", wgmma_fp8_variant="overlap")
+    assert calls[1][3]["variant"] == "overlap"
     monkeypatch.setattr(md, "FP8_AUTO_WGMMA", True)
     with pytest.raises(_Launched):
         md.mla_decode_triton(*args)
-    assert len(calls) == 2
+    assert len(calls) == 3 and calls[2][3]["variant"] == hop.FP8_WGMMA_VARIANT == "serial"
+
+
+def test_the_overlap_form_refuses_a_ring_depth_other_than_two_and_unknown_forms_are_refused():
+    from unimem_compile.ops import mla_decode_hopper as hop
+
+    for stages in (1, 3):  # checked before anything touches the (here absent) GPU
+        with pytest.raises(ValueError, match=rf"overlap variant needs stages == 2 .*got {stages}$"):
+            hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, stages=stages, variant="overlap")
+    with pytest.raises(ValueError, match=r"variant must be one of \('serial', 'overlap'\), got 'fast'$"):
+        hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, variant="fast")
 
 
 def test_an_fp8_kernel_gluon_cannot_compile_falls_back_without_turning_off_the_bf16_one(gen, monkeypatch):
