@@ -26,6 +26,11 @@ GPU (one H200), reduced (a few minutes): python benchmarks/bench_serving_http.py
 GPU, full: --scale 1 (3000 requests each way; at a rate near capacity budget ~30 minutes per way).
 ``--duration S`` caps each way's arrivals at S seconds (the trace is cut, the rate kept).
 CPU smoke (tiny model, fp32, aot_eager, a handful of requests): python benchmarks/bench_serving_http.py --device cpu --smoke
+CPU, decode-heavy (~60 requests of 24..96 tokens on 16 rows, ~20 s a way; --scale / --scale-tokens given win over
+--smoke's): --device cpu --smoke --scale 0.05 --scale-tokens 0.0078125 --output-factor 24 --max-batch 16
+--max-seq-len 256 --budget-gib 0.01 --duration 3 --rate 20 --repeat 3 (the 2-core machine is shared: compare the
+engine's decode_ms_per_step of both ways as well as tokens/s, and state the spread of the rounds).
+The client imports httpx2, or httpx where httpx2 is missing (the GPU machine: httpx 0.28, no httpx2).
 """
 
 from __future__ import annotations

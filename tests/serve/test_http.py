@@ -425,3 +425,43 @@ def test_shutdown_cuts_a_live_stream_with_one_log_line_and_no_traceback():
     assert [r for r in records if r.exc_info or "Traceback" in r.getMessage()] == []
     cut = [r.getMessage() for r in records if r.name == "unimem_compile.serve"]
     assert cut == ["POST /v1/completions: cancelled by the server's shutdown (--shutdown-timeout ran out)"]
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_loses_no_update():
+    """Updates posted from another thread while the loop is busy reach their queues in order, with one
+    call_soon_threadsafe per batch (a step of R requests: one wake-up of the loop, not R)."""
+    import asyncio
+    import threading
+
+    from unimem_compile.serve.app import _Mailbox
+    from unimem_compile.serve.engine import Update
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _Mailbox(loop)
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a: (cb == box._drain and wakeups.append(cb), real(cb, *a))[1]
+        queues = [asyncio.Queue() for _ in range(5)]
+
+        def step(k):  # one engine step: every request gets an update
+            for i, q in enumerate(queues):
+                box.post(q, Update(f"r{i}", list(range(k + 1))))
+
+        t = threading.Thread(target=lambda: [step(k) for k in range(3)])
+        t.start()
+        t.join()  # three steps posted while the loop is blocked here, so it cannot drain between them
+        assert len(wakeups) == 1
+        await asyncio.sleep(0)
+        got = [[q.get_nowait().generated_tokens for _ in range(q.qsize())] for q in queues]
+        assert got == [[[0], [0, 1], [0, 1, 2]]] * 5
+        # a post racing the drain: 200 posts from a thread while the loop drains, none lost
+        t = threading.Thread(target=lambda: [box.post(queues[0], Update("r0", [j])) for j in range(200)])
+        t.start()
+        seen = []
+        while len(seen) < 200:
+            seen.append((await asyncio.wait_for(queues[0].get(), 5)).generated_tokens[0])
+        t.join()
+        assert seen == list(range(200)) and 2 <= len(wakeups) <= 201
+
+    asyncio.run(main())

@@ -211,17 +211,28 @@ class ManagerEngine:
             return len(self._handlers)
 
     def _dispatch(self) -> None:
+        get = self.manager.get_result
         while not self._closing.is_set():
-            out = self.manager.get_result(timeout=self._poll_s)
+            out = get(timeout=self._poll_s)
             if out is None:
                 if not self.manager.is_running():  # get_result returns at once then: do not spin
                     self._closing.wait(self._poll_s)
                 continue
-            status = _status_name(out.status)
-            update = Update(out.request_id, list(out.generated_tokens), status, getattr(out, "error", None))
+            # every result of the step at once, so the HTTP layer gets them in one batch (one wake-up of its
+            # loop): this thread runs only when a step published, not once per request
+            outs = [out]
+            while (out := get(timeout=0)) is not None:
+                outs.append(out)
+            calls = []
             with self._lock:
-                handler = (self._handlers.pop if update.finished else self._handlers.get)(out.request_id, None)
-            if handler is not None:
+                for out in outs:
+                    # the manager's output is a fresh list each time: no copy
+                    update = Update(out.request_id, out.generated_tokens, _status_name(out.status),
+                                    getattr(out, "error", None))
+                    handler = (self._handlers.pop if update.finished else self._handlers.get)(out.request_id, None)
+                    if handler is not None:
+                        calls.append((handler, update))
+            for handler, update in calls:
                 handler(update)
 
     def metrics(self) -> EngineMetrics:
