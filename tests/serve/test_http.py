@@ -465,3 +465,67 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_loses_no_update():
         assert seen == list(range(200)) and 2 <= len(wakeups) <= 201
 
     asyncio.run(main())
+
+
+def test_manager_engine_hands_over_a_steps_results_together_and_survives_a_raising_callback(caplog):
+    """ManagerEngine's dispatcher takes every result waiting at once; a callback that raises is logged and
+    the other requests still get their updates (the dispatcher thread does not die)."""
+    import collections
+    import threading
+
+    from unimem_compile.serve.engine import ManagerEngine, Sampling
+
+    class Out:
+        def __init__(self, rid, toks, status):
+            self.request_id, self.generated_tokens, self.status, self.error = rid, toks, status, None
+
+    class FakeManager:  # the manager's API as ManagerEngine uses it, results published by the test
+        max_queue = None
+
+        def __init__(self):
+            self.outbox, self.cond, self.ids = collections.deque(), threading.Condition(), []
+
+        def is_running(self):
+            return True
+
+        def add_request(self, ids, request_id, **kw):
+            self.ids.append(request_id)
+
+        def cancel_request(self, rid):
+            pass
+
+        def stop(self, **kw):
+            pass
+
+        def get_result(self, timeout=None):
+            with self.cond:
+                if not self.outbox and timeout:
+                    self.cond.wait(timeout)
+                return self.outbox.popleft() if self.outbox else None
+
+    mgr = FakeManager()
+    eng = ManagerEngine(mgr, 64, poll_s=0.01)
+    got, done = collections.defaultdict(list), threading.Event()
+
+    def make(i):
+        def cb(u):
+            got[i].append((u.generated_tokens, u.status))
+            if i == 1:
+                raise RuntimeError("a broken callback")
+            if i == 2 and u.finished:
+                done.set()
+        return cb
+
+    rids = [eng.submit([5, 6], Sampling(max_new_tokens=4), make(i)) for i in range(3)]
+    with caplog.at_level(logging.ERROR, "unimem_compile.serve"):
+        with mgr.cond:
+            for k in range(1, 4):  # three steps' results waiting together
+                for rid in rids:
+                    mgr.outbox.append(Out(rid, list(range(k)), "DECODING" if k < 3 else "FINISHED"))
+            mgr.cond.notify_all()
+        assert done.wait(5)
+    eng.close(timeout=5)
+    want = [([0], "running"), ([0, 1], "running"), ([0, 1, 2], "finished")]
+    assert got[0] == want and got[1] == want and got[2] == want
+    assert eng.outstanding() == 0
+    assert sum("the update callback of" in r.getMessage() for r in caplog.records) == 3

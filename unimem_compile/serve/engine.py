@@ -9,6 +9,7 @@ manager (its result queue, its status values, how it refuses) in :class:`Manager
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import uuid
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..engine.manager import QueueFull as EngineQueueFull
+
+log = logging.getLogger("unimem_compile.serve")
 
 __all__ = [
     "Sampling",
@@ -233,7 +236,10 @@ class ManagerEngine:
                     if handler is not None:
                         calls.append((handler, update))
             for handler, update in calls:
-                handler(update)
+                try:
+                    handler(update)
+                except Exception:  # noqa: BLE001 - one request's callback must not stop every other's updates
+                    log.exception("the update callback of %s raised", update.request_id)
 
     def metrics(self) -> EngineMetrics:
         raw = self.manager.metrics()
