@@ -144,8 +144,9 @@ class ManagerEngine:
     """:class:`EngineClient` over a continuous-batching manager (``model.init_continuous_batching()``).
 
     Requests are added with ``streaming=True``; one dispatcher thread reads the manager's results
-    (``get_result(timeout=...)``, any request) and calls the callback registered for the request id, so a
-    server holds one thread for every open request, not one each.
+    (``get_result(timeout=...)``, any request, then every result already waiting: a step's results are
+    handed over together) and calls the callback registered for each request id, so a server holds one
+    thread for every open request, not one each. A callback that raises is logged; the others still run.
 
     Args:
         manager: the manager, started or not (``start()`` is called here if it is not running).
