@@ -13,7 +13,8 @@ arrivals at ``--rate``, 2% long-context requests). The same compiled model runs,
    thread of this process, and a load generator in a SEPARATE process (``--client``; its CPU must not slow
    the server) that posts each request at its arrival time to ``/v1/completions`` (token-id prompt,
    ``max_tokens = min_tokens =`` the trace's output length, greedy, ``stream: true`` with
-   ``include_usage``) over one connection per request (httpx, no connection limit).
+   ``include_usage``) over one connection per request (httpx2, or httpx where httpx2 is missing: the
+   client uses only their common API (AsyncClient, Limits, stream, aiter_lines), no connection limit).
 
 Reported for both: output tokens/s, requests/s, TTFT and TPOT p50 / p99 (seconds; TTFT from the request's
 scheduled arrival to its first token, TPOT = (last token - first token) / (tokens - 1)); and
@@ -25,6 +26,11 @@ GPU (one H200), reduced (a few minutes): python benchmarks/bench_serving_http.py
 GPU, full: --scale 1 (3000 requests each way; at a rate near capacity budget ~30 minutes per way).
 ``--duration S`` caps each way's arrivals at S seconds (the trace is cut, the rate kept).
 CPU smoke (tiny model, fp32, aot_eager, a handful of requests): python benchmarks/bench_serving_http.py --device cpu --smoke
+CPU, decode-heavy (~60 requests of 24..96 tokens on 16 rows, ~20 s a way; --scale / --scale-tokens given win over
+--smoke's): --device cpu --smoke --scale 0.05 --scale-tokens 0.0078125 --output-factor 24 --max-batch 16
+--max-seq-len 256 --budget-gib 0.01 --duration 3 --rate 20 --repeat 3 (the 2-core machine is shared: compare the
+engine's decode_ms_per_step of both ways as well as tokens/s, and state the spread of the rounds).
+The client imports httpx2, or httpx where httpx2 is missing (the GPU machine: httpx 0.28, no httpx2).
 """
 
 from __future__ import annotations
@@ -54,7 +60,10 @@ def _pct(values, q):
 # ---------------------------------------------------------------------------------------------- client
 async def _client_run(url: str, requests: list[dict], timeout_s: float) -> dict:
     """Post every request at its arrival time; returns per-request timings (client process)."""
-    import httpx2 as httpx
+    try:
+        import httpx2 as httpx
+    except ImportError:  # the GPU machine has httpx 0.28, not httpx2 (whose httpcore2 wheel needs truststore)
+        import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     out = []
@@ -153,6 +162,9 @@ def run_http(model, trace: list[dict], args) -> dict:
         engine.close(timeout=60)
     out = summarise_http(result)
     stats = model.unimem.stats()
+    counters = manager.engine.counters  # the engine's own step timings, as bench_serving.run_engine reports them
+    out.update(decode_ms_per_step=1e3 * counters["decode_s"] / max(1, counters["decode_steps"]),
+               mean_rows_per_step=counters["decode_row_steps"] / max(1, counters["decode_steps"]))
     out.update(preemptions=metrics.preemptions, leaked_pages=stats["kv_pages_used"],
                leaked_slots=stats["state_slots_used"])
     return out
@@ -165,40 +177,60 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny model, fp32, aot_eager, a few requests (CPU check)")
     p.add_argument("--model", default=None, help="preset (default kimi-linear-48b-8l; kimi-linear-tiny with --smoke)")
-    p.add_argument("--scale", type=float, default=1.0, help="fraction of the stationary trace's 3000 requests")
+    p.add_argument("--scale", type=float, default=None,
+                   help="fraction of the stationary trace's 3000 requests (default 1; --smoke: 0.004)")
+    p.add_argument("--scale-tokens", type=float, default=None,
+                   help="factor on every prompt and output length (default 1; --smoke: 1/128)")
+    p.add_argument("--output-factor", type=float, default=1.0,
+                   help="a further factor on the output lengths (a decode-heavy CPU run: short prompts, long replies)")
     p.add_argument("--duration", type=float, default=None, help="keep only the arrivals of the first S seconds")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 4; 20 with --smoke)")
     bench_serving.add_engine_arguments(p)
+    p.add_argument("--repeat", type=int, default=1, help="rounds of (in-process, HTTP) on the same model (spread)")
     p.add_argument("--skip-in-process", action="store_true", help="HTTP only (no baseline, no overhead figure)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_http_<date>.json)")
     args = p.parse_args(argv)
     if args.client:
         return client_main(args)
+    scale, scale_tokens = args.scale, args.scale_tokens
+    args.scale = 1.0 if scale is None else scale
     bench_serving.apply_presets(args, rate=4.0)
+    # given explicitly, they win over --smoke's (a CPU run heavier than the smoke check)
+    args.scale = args.scale if scale is None else scale
+    args.scale_tokens = args.scale_tokens if scale_tokens is None else scale_tokens
     args.keep_stock = False
     trace = bench_serving.make_trace("stationary", args.rate, args.seed, args.scale, args.scale_tokens)
     if args.duration is not None:
         trace = [r for r in trace if r["arrival"] <= args.duration] or trace[:1]
     for r in trace:  # as bench_serving: a request must fit max_seq_len
+        r["output"] = int(min(max(1, round(r["output"] * args.output_factor)), args.max_seq_len // 2))
         r["prompt"] = int(min(r["prompt"], args.max_seq_len - r["output"] - 1))
     model, _ = bench_serving.build(args)
     warm_up_s = bench_serving.warm_up(model, args)  # every decode bucket's step and the prefill graphs
     result = {"model": args.model, "device": args.device, "torch": torch.__version__, "rate": args.rate,
-              "scale": args.scale, "duration": args.duration, "requests": len(trace),
+              "scale": args.scale, "scale_tokens": args.scale_tokens,
+              "output_factor": args.output_factor, "duration": args.duration, "requests": len(trace),
               "budget_bytes": int(args.budget_gib * GIB), "max_batch": args.max_batch, "warm_up_s": warm_up_s}
-    if not args.skip_in_process:
-        inproc = bench_serving.run_engine(model, "unified", trace, args)
-        inproc.pop("timeline", None)
-        result["in_process"] = inproc
-    result["http"] = http = run_http(model, trace, args)
-    if not args.skip_in_process:
-        base = result["in_process"]
-        result["http_overhead"] = {
-            "tokens_per_s_loss": 1 - http["output_tokens_per_s"] / base["output_tokens_per_s"],
-            "ttft_p50_ratio": (http["ttft_p50_s"] / base["ttft_p50_s"]) if base["ttft_p50_s"] else None,
-            "tpot_p50_ratio": (http["tpot_p50_s"] / base["tpot_p50_s"]) if base["tpot_p50_s"] else None,
-            "target_tokens_per_s_loss": 0.10,
-        }
+    rounds = []
+    for _ in range(args.repeat):  # in-process then HTTP, each round on the same compiled model
+        one = {}
+        if not args.skip_in_process:
+            inproc = bench_serving.run_engine(model, "unified", trace, args)
+            inproc.pop("timeline", None)
+            one["in_process"] = inproc
+        one["http"] = http = run_http(model, trace, args)
+        if not args.skip_in_process:
+            base = one["in_process"]
+            one["http_overhead"] = {
+                "tokens_per_s_loss": 1 - http["output_tokens_per_s"] / base["output_tokens_per_s"],
+                "ttft_p50_ratio": (http["ttft_p50_s"] / base["ttft_p50_s"]) if base["ttft_p50_s"] else None,
+                "tpot_p50_ratio": (http["tpot_p50_s"] / base["tpot_p50_s"]) if base["tpot_p50_s"] else None,
+                "target_tokens_per_s_loss": 0.10,
+            }
+        rounds.append(one)
+    result.update(rounds[0])  # the first round at the top level, as before --repeat
+    if args.repeat > 1:
+        result["rounds"] = rounds
     text = json.dumps(result, indent=2)
     print(text)
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
@@ -206,7 +238,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(text + "\n")
-    return 0 if http["n_errors"] == 0 else 1
+    return 0 if all(r["http"]["n_errors"] == 0 for r in rounds) else 1
 
 
 if __name__ == "__main__":

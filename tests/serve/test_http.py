@@ -425,3 +425,107 @@ def test_shutdown_cuts_a_live_stream_with_one_log_line_and_no_traceback():
     assert [r for r in records if r.exc_info or "Traceback" in r.getMessage()] == []
     cut = [r.getMessage() for r in records if r.name == "unimem_compile.serve"]
     assert cut == ["POST /v1/completions: cancelled by the server's shutdown (--shutdown-timeout ran out)"]
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_loses_no_update():
+    """Updates posted from another thread while the loop is busy reach their queues in order, with one
+    call_soon_threadsafe per batch (a step of R requests: one wake-up of the loop, not R)."""
+    import asyncio
+    import threading
+
+    from unimem_compile.serve.app import _Mailbox
+    from unimem_compile.serve.engine import Update
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _Mailbox(loop)
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a: (cb == box._drain and wakeups.append(cb), real(cb, *a))[1]
+        queues = [asyncio.Queue() for _ in range(5)]
+
+        def step(k):  # one engine step: every request gets an update
+            for i, q in enumerate(queues):
+                box.post(q, Update(f"r{i}", list(range(k + 1))))
+
+        t = threading.Thread(target=lambda: [step(k) for k in range(3)])
+        t.start()
+        t.join()  # three steps posted while the loop is blocked here, so it cannot drain between them
+        assert len(wakeups) == 1
+        await asyncio.sleep(0)
+        got = [[q.get_nowait().generated_tokens for _ in range(q.qsize())] for q in queues]
+        assert got == [[[0], [0, 1], [0, 1, 2]]] * 5
+        # a post racing the drain: 200 posts from a thread while the loop drains, none lost
+        t = threading.Thread(target=lambda: [box.post(queues[0], Update("r0", [j])) for j in range(200)])
+        t.start()
+        seen = []
+        while len(seen) < 200:
+            seen.append((await asyncio.wait_for(queues[0].get(), 5)).generated_tokens[0])
+        t.join()
+        assert seen == list(range(200)) and 2 <= len(wakeups) <= 201
+
+    asyncio.run(main())
+
+
+def test_manager_engine_hands_over_a_steps_results_together_and_survives_a_raising_callback(caplog):
+    """ManagerEngine's dispatcher takes every result waiting at once; a callback that raises is logged and
+    the other requests still get their updates (the dispatcher thread does not die)."""
+    import collections
+    import threading
+
+    from unimem_compile.serve.engine import ManagerEngine, Sampling
+
+    class Out:
+        def __init__(self, rid, toks, status):
+            self.request_id, self.generated_tokens, self.status, self.error = rid, toks, status, None
+
+    class FakeManager:  # the manager's API as ManagerEngine uses it, results published by the test
+        max_queue = None
+
+        def __init__(self):
+            self.outbox, self.cond, self.ids = collections.deque(), threading.Condition(), []
+
+        def is_running(self):
+            return True
+
+        def add_request(self, ids, request_id, **kw):
+            self.ids.append(request_id)
+
+        def cancel_request(self, rid):
+            pass
+
+        def stop(self, **kw):
+            pass
+
+        def get_result(self, timeout=None):
+            with self.cond:
+                if not self.outbox and timeout:
+                    self.cond.wait(timeout)
+                return self.outbox.popleft() if self.outbox else None
+
+    mgr = FakeManager()
+    eng = ManagerEngine(mgr, 64, poll_s=0.01)
+    got, done = collections.defaultdict(list), threading.Event()
+
+    def make(i):
+        def cb(u):
+            got[i].append((u.generated_tokens, u.status))
+            if i == 1:
+                raise RuntimeError("a broken callback")
+            if i == 2 and u.finished:
+                done.set()
+        return cb
+
+    rids = [eng.submit([5, 6], Sampling(max_new_tokens=4), make(i)) for i in range(3)]
+    with caplog.at_level(logging.ERROR, "unimem_compile.serve"):
+        with mgr.cond:
+            for k in range(1, 4):  # three steps' results waiting together
+                for rid in rids:
+                    mgr.outbox.append(Out(rid, list(range(k)), "DECODING" if k < 3 else "FINISHED"))
+            mgr.cond.notify_all()
+        assert done.wait(5)
+    eng.close(timeout=5)
+    want = [([0], "running"), ([0, 1], "running"), ([0, 1, 2], "finished")]
+    assert got[0] == want and got[1] == want and got[2] == want
+    assert eng.outstanding() == 0
+    assert sum("the update callback of" in r.getMessage() for r in caplog.records) == 3

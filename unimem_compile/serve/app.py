@@ -6,8 +6,9 @@ A request's life: authenticate (``--api-key``: 401 before anything else), parse 
 numbers), submit one engine request per choice (429 + ``Retry-After`` when the engine is full), then turn
 the engine's token updates into text (:class:`~.text.IncrementalDetokenizer`, :class:`~.text.StopMatcher`)
 and send it, as one JSON body or as SSE chunks. Updates arrive on the engine's thread and are handed to
-the event loop with ``call_soon_threadsafe``; the loop drains every update waiting when it wakes, so a
-busy server sends several tokens per event instead of one event per token. A client that goes away
+the event loop through one mailbox per loop (:class:`_Mailbox`: one ``call_soon_threadsafe`` per batch of
+updates, not one per update); each request drains every update waiting when it wakes, so a busy server
+sends several tokens per event instead of one event per token. A client that goes away
 (a closed stream, or a dropped connection while a non-streamed request runs) cancels its engine
 requests, which frees their memory at the engine's next step.
 """
@@ -15,11 +16,13 @@ requests, which frees their memory at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -129,6 +132,47 @@ class _Choice:
         return text
 
 
+class _Mailbox:
+    """Updates from the engine's thread to one event loop, with ONE loop wake-up per batch.
+
+    ``post`` (any thread) appends to a deque and schedules :meth:`_drain` with ``call_soon_threadsafe``
+    only when no drain is pending, so an engine step that updates R requests costs one wake-up of the loop
+    (one write to its self-pipe), not R. ``_drain`` (the loop) hands each update to its request's queue.
+    An update posted while a drain runs schedules the next one (``_pending`` is cleared before the deque
+    is read), so none is left behind."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._updates: collections.deque = collections.deque()
+        self._pending = False
+
+    def post(self, queue: asyncio.Queue, update: Update) -> None:
+        self._updates.append((queue, update))
+        if not self._pending:
+            self._pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: nobody reads these any more
+                self._pending = False
+
+    def _drain(self) -> None:
+        self._pending = False
+        updates = self._updates
+        while updates:
+            queue, update = updates.popleft()
+            queue.put_nowait(update)
+
+
+_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = _Mailbox(loop)
+    return box
+
+
 class _Generation:
     """The engine requests behind one HTTP request, and the queue their updates arrive on."""
 
@@ -138,6 +182,7 @@ class _Generation:
         self.sampling = sampling
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self.mailbox = _mailbox(self.loop)
         self.by_rid: dict[str, _Choice] = {}
         self.start = time.monotonic()
         self.first_text_at: Optional[float] = None
@@ -152,8 +197,8 @@ class _Generation:
                            f"the {limit} requests the server queues at a time (--max-queue); send fewer per request",
                            param="n", code="invalid_value")
         for choice, sampling in zip(self.choices, self.sampling):
-            def on_update(u: Update, _loop=self.loop, _q=self.queue):
-                _loop.call_soon_threadsafe(_q.put_nowait, u)
+            def on_update(u: Update, _post=self.mailbox.post, _q=self.queue):
+                _post(_q, u)
             try:
                 rid = engine.submit(choice.prompt_ids, sampling, on_update)
             except QueueFull as e:

@@ -9,6 +9,7 @@ manager (its result queue, its status values, how it refuses) in :class:`Manager
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import uuid
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..engine.manager import QueueFull as EngineQueueFull
+
+log = logging.getLogger("unimem_compile.serve")
 
 __all__ = [
     "Sampling",
@@ -141,8 +144,9 @@ class ManagerEngine:
     """:class:`EngineClient` over a continuous-batching manager (``model.init_continuous_batching()``).
 
     Requests are added with ``streaming=True``; one dispatcher thread reads the manager's results
-    (``get_result(timeout=...)``, any request) and calls the callback registered for the request id, so a
-    server holds one thread for every open request, not one each.
+    (``get_result(timeout=...)``, any request, then every result already waiting: a step's results are
+    handed over together) and calls the callback registered for each request id, so a server holds one
+    thread for every open request, not one each. A callback that raises is logged; the others still run.
 
     Args:
         manager: the manager, started or not (``start()`` is called here if it is not running).
@@ -211,18 +215,32 @@ class ManagerEngine:
             return len(self._handlers)
 
     def _dispatch(self) -> None:
+        get = self.manager.get_result
         while not self._closing.is_set():
-            out = self.manager.get_result(timeout=self._poll_s)
+            out = get(timeout=self._poll_s)
             if out is None:
                 if not self.manager.is_running():  # get_result returns at once then: do not spin
                     self._closing.wait(self._poll_s)
                 continue
-            status = _status_name(out.status)
-            update = Update(out.request_id, list(out.generated_tokens), status, getattr(out, "error", None))
+            # every result of the step at once, so the HTTP layer gets them in one batch (one wake-up of its
+            # loop): this thread runs only when a step published, not once per request
+            outs = [out]
+            while (out := get(timeout=0)) is not None:
+                outs.append(out)
+            calls = []
             with self._lock:
-                handler = (self._handlers.pop if update.finished else self._handlers.get)(out.request_id, None)
-            if handler is not None:
-                handler(update)
+                for out in outs:
+                    # the manager's output is a fresh list each time: no copy
+                    update = Update(out.request_id, out.generated_tokens, _status_name(out.status),
+                                    getattr(out, "error", None))
+                    handler = (self._handlers.pop if update.finished else self._handlers.get)(out.request_id, None)
+                    if handler is not None:
+                        calls.append((handler, update))
+            for handler, update in calls:
+                try:
+                    handler(update)
+                except Exception:  # noqa: BLE001 - one request's callback must not stop every other's updates
+                    log.exception("the update callback of %s raised", update.request_id)
 
     def metrics(self) -> EngineMetrics:
         raw = self.manager.metrics()
