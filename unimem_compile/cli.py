@@ -172,6 +172,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"unimem-compile serve: --memory-budget above 1 is bytes and must be whole, got {args.memory_budget:g}",
               file=sys.stderr)
         return 2
+    if args.kv_dtype is not None:
+        from .options import kv_dtype_of
+        from .pool.specs import KERNEL_KV_DTYPES
+
+        try:
+            kv_dtype = kv_dtype_of(args.kv_dtype)
+        except TypeError as e:
+            print(f"unimem-compile serve: --kv-dtype: {e}", file=sys.stderr)
+            return 2
+        if kv_dtype not in KERNEL_KV_DTYPES:
+            print(f"unimem-compile serve: --kv-dtype {args.kv_dtype!r} is {str(kv_dtype).replace('torch.', '')}, "
+                  "which the MLA ops cannot store; accepted: " + ", ".join(
+                      str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES) + " (or bf16, fp16, fp32, fp8_e4m3)",
+                  file=sys.stderr)
+            return 2
+    import torch
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if args.backend not in backends:
+        print(f"unimem-compile serve: --backend {args.backend!r} is not a torch.compile backend; known: "
+              f"{', '.join(sorted(backends))}", file=sys.stderr)
+        return 2
     options = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, memory_budget=args.memory_budget,
