@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens of one request, prompt + reply (default 8192, not the model's position limit)")
     s.add_argument("--memory-budget", type=float, default=None,
                    help="arena bytes (> 1) or a fraction in (0, 1] of free device memory (default: compile()'s)")
-    s.add_argument("--kv-dtype", default=None, help="dtype of the cached latent rows (default: the model's)")
+    s.add_argument("--kv-dtype", default=None,
+                   help="dtype of the cached latent rows (default: the model's): bf16, fp16, fp32, fp8_e4m3, "
+                        "fp8_e4m3fnuz or any other name compile(kv_dtype=...) takes; checked before listening")
     s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     s.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")
