@@ -172,6 +172,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"unimem-compile serve: --memory-budget above 1 is bytes and must be whole, got {args.memory_budget:g}",
               file=sys.stderr)
         return 2
+    if args.kv_dtype is not None:
+        from .options import kv_dtype_of
+        from .pool.specs import KERNEL_KV_DTYPES
+
+        try:
+            kv_dtype = kv_dtype_of(args.kv_dtype)
+        except TypeError as e:
+            print(f"unimem-compile serve: --kv-dtype: {e}", file=sys.stderr)
+            return 2
+        if kv_dtype not in KERNEL_KV_DTYPES:
+            print(f"unimem-compile serve: --kv-dtype {args.kv_dtype!r} is {str(kv_dtype).replace('torch.', '')}, "
+                  "which the MLA ops cannot store; accepted: " + ", ".join(
+                      str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES) + " (or bf16, fp16, fp32, fp8_e4m3)",
+                  file=sys.stderr)
+            return 2
+    import torch
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if args.backend not in backends:
+        print(f"unimem-compile serve: --backend {args.backend!r} is not a torch.compile backend; known: "
+              f"{', '.join(sorted(backends))}", file=sys.stderr)
+        return 2
     options = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, memory_budget=args.memory_budget,
@@ -259,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens of one request, prompt + reply (default 8192, not the model's position limit)")
     s.add_argument("--memory-budget", type=float, default=None,
                    help="arena bytes (> 1) or a fraction in (0, 1] of free device memory (default: compile()'s)")
-    s.add_argument("--kv-dtype", default=None, help="dtype of the cached latent rows (default: the model's)")
+    s.add_argument("--kv-dtype", default=None,
+                   help="dtype of the cached latent rows (default: the model's): bf16, fp16, fp32, fp8_e4m3, "
+                        "fp8_e4m3fnuz or any other name compile(kv_dtype=...) takes; checked before listening")
     s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     s.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")

@@ -84,3 +84,23 @@ def test_serve_refuses_a_missing_folder_before_listening(tmp_path, capsys, monke
     assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert re.search(r"--model '.*nowhere' is neither a preset \(.*kimi-linear-tiny.*\) nor a checkpoint folder", err)
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--kv-dtype", "fp8"], r"--kv-dtype: kv_dtype 'fp8' does not name a torch dtype \(fp8 is spelled 'fp8_e4m3'\)"),
+    (["--kv-dtype", "float8_e5m2"], r"--kv-dtype 'float8_e5m2' is float8_e5m2, which the MLA ops cannot store; "
+                                    r"accepted: bfloat16, float16, float32, float8_e4m3fn, float8_e4m3fnuz"),
+    (["--backend", "inductr"], r"--backend 'inductr' is not a torch.compile backend; known: .*aot_eager.*inductor"),
+])
+def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, message, capsys, monkeypatch):
+    """Exit status 2 and one line, as for --model: both used to start a server whose /health answered
+    "failed" with the compile error until it was stopped (and it then exited 1)."""
+    import unimem_compile.serve.server as server
+
+    def started(options):
+        raise AssertionError(f"the server was started with {option}")
+
+    monkeypatch.setattr(server, "serve", started)
+    assert main(["serve", "--model", "kimi-linear-tiny", *option]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1
