@@ -1,5 +1,6 @@
 """generate() from several threads (one lock per model) and under torch.inference_mode() and outside it."""
 
+import pytest
 import torch
 
 import unimem_compile
@@ -8,6 +9,9 @@ from unimem_compile.hf.models import build_model
 from .generate_models import greedy, prompts
 
 
+# the hybrid family only: the lock, the step buffers and the patched globals are the same code for both families
+# (the deepseek run cost CI ~19 s of compiles for its new shapes)
+@pytest.mark.parametrize("pair", ["kimi-linear-tiny"], indirect=True)
 def test_generate_from_two_threads_gives_each_call_its_own_correct_tokens(pair):
     """Calls of one compiled model share step buffers per batch size and patched module globals: concurrent
     generate() calls run one after the other (a lock per model) instead of mixing their steps."""
@@ -43,9 +47,10 @@ def test_inference_mode_inside_and_outside_mix_freely():
     The calls inside inference mode run the compiled graphs (the only test that compiles under it); the
     calls outside run eagerly (``force_eager``: the same cache path and decode runner, writing the same
     tensors in place, tests/hf/test_generate_parity.py), because Dynamo guards on the grad mode and would
-    compile every graph a second time for them (8 graphs instead of 4); compiled calls outside inference
-    mode are what every other test makes. Each tensor is made inside and then written outside: batch sizes
-    2 and 1 (a step buffer each) and a cache."""
+    compile every graph a second time for them (4 graphs instead of 2); compiled calls outside inference
+    mode are what every other test makes. Each tensor is made inside and then written outside: the pool,
+    batch size 2's step buffers and a cache (one batch size: the next test covers step buffers of any size
+    made inside inference mode)."""
     stock = build_model("kimi-linear-tiny")
     ids, mask = prompts([10, 7], seed=32)
     want = greedy(stock, ids, mask, 4)
@@ -53,15 +58,13 @@ def test_inference_mode_inside_and_outside_mix_freely():
         model = unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=2, max_seq_len=32,
                                        page_size=8, backend="aot_eager")
         assert torch.equal(greedy(model, ids, mask, 4), want)
-        assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
         cache = model.unimem.new_cache(2)
-    assert model.unimem.passes.graphs == 4  # prefill and decode step, batch sizes 2 and 1
+    assert model.unimem.passes.graphs == 2  # prefill and decode step at batch size 2
     with torch.compiler.set_stance("force_eager"):
         assert torch.equal(greedy(model, ids, mask, 4), want)
         assert torch.equal(greedy(model, ids, mask, 4, past_key_values=cache), want)
         cache.release()
-        assert torch.equal(greedy(model, ids[:1], mask[:1], 4), want[:1])
-    assert model.unimem.passes.graphs == 4  # outside: eager (force_eager compiles nothing)
+    assert model.unimem.passes.graphs == 2  # outside: eager (force_eager compiles nothing)
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
 
 
