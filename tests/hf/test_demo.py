@@ -42,7 +42,7 @@ def test_demo_with_fp8_kv_reports_logit_parity_against_fp32_kv(capsys):
     assert {"criterion", "tokens_identical", "max_abs_logit_diff", "tolerance"} <= set(d)
     assert d["criterion"] == "fp8_logits" and d["kv_dtype"] == "float8_e4m3fn" and r["dtype"] == "float32"
     c = d["fp8_vs_reference"]
-    assert c["positions"] == 4 * 3 and 0 < c["median_position"] <= d["tolerance"] and r["parity"] is True
+    assert c["positions"] == 4 * 6 and 0 < c["median_position"] <= d["tolerance"] and r["parity"] is True
     assert d["tolerance"] == 2**-4 * d["logit_spread"] and c["max_abs"] == d["max_abs_logit_diff"]
     assert 0 <= c["kl_median"] < 1e-3 and 0 <= c["kl_mean"] < 1e-3  # nats (about 1e-5 here)
     assert 0 < c["top1_agreement"] <= 1 and r["pool"]["kv_pages_used"] == 0
