@@ -47,6 +47,9 @@ extra intra-chunk work is not counted); the LM head for one position per chunk (
 position's logits only). Not counted: elementwise work, norms, the convolution, softmax, and the history's
 re-expansion that ``mla_prefill`` does in every chunk (reported beside it as ``reexpansion_flops``; a
 design that kept the expanded history would not do it). ``x_of_bound`` = measured / bound.
+``--profile-row N`` prefills row N once more per system under ``torch.profiler`` after its timed runs and records
+``profile``: kernel time per name and per part of the model (``kernel_breakdown``: matmul, MLA attention, MLA
+cache, KDA, conv, MoE routing, Inductor's fused kernels, other) and the GPU's busy fraction of the wall time.
 
 usage: python benchmarks/bench_mla_prefill.py [--out results.json] [--quick] [--sweep]
        python benchmarks/bench_mla_prefill.py --model kimi-linear-48b-4l [--rows 4096 32768 131072] [--out f.json]
@@ -61,6 +64,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import time
 
 import torch
@@ -346,6 +350,72 @@ def _graphs(model) -> int | None:
     return handle.passes.graphs if handle is not None else None
 
 
+# kernel (CUDA) or operator (CPU) names -> the part of a prefill they belong to; the first pattern that matches
+# wins, so the specific ones come first (an Inductor kernel fused around a matmul is named triton_*_mm_*)
+PROFILE_CATEGORIES = (
+    ("mla_attention", r"mla_prefill|mla_decode|flash|fmha|attention|sdpa"),
+    ("mla_cache", r"mla_kv_write|mla_gather|translate"),
+    ("kda", r"kda|chunk_|l2norm|gated_delta|fused_recurrent|solve_tril|wy_|recompute_w_u|cumsum"),
+    ("conv", r"conv"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|grouped_mm|_mm_|aten::(mm|addmm|bmm|matmul|linear)$"),
+    ("moe_routing", r"topk|sort|histc|bincount|scatter|gather|index|nonzero"),
+    ("inductor_fused", r"^triton_"),
+)
+
+
+def profile_category(name: str) -> str:
+    """The :data:`PROFILE_CATEGORIES` entry a kernel / operator name falls in (case-insensitive search), else
+    ``"other"``."""
+    for category, pattern in PROFILE_CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return category
+    return "other"
+
+
+def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
+    """Where one call of ``fn`` spends its device time: ``torch.profiler`` over one call (after ``fn`` has run
+    once, so compiles are not in it). On CUDA: every kernel's duration (ms), summed per name and per
+    :data:`PROFILE_CATEGORIES` category, and ``busy_fraction`` = kernel time / wall time (below 1: the GPU waited
+    for the host, or kernels overlapped less than they could). On the CPU: the operators' self time instead
+    (``key_averages``), the same categories. Returns ``{"wall_ms", "kernel_ms", "busy_fraction", "by_category":
+    {category: {"ms", "fraction", "calls"}}, "top": [{"name", "category", "ms", "calls"}]}`` with ``top`` the
+    ``top`` longest names; ``kernel_ms`` is the sum over every name, so the categories' ms add up to it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        wall_ms = (time.perf_counter() - t) * 1e3
+    per_name: dict[str, list] = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                entry = per_name.setdefault(e.name, [0.0, 0])
+                entry[0] += e.device_time_total / 1e3
+                entry[1] += 1
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                per_name[e.key] = [e.self_cpu_time_total / 1e3, e.count]
+    kernel_ms = sum(ms for ms, _ in per_name.values())
+    by_category: dict[str, dict] = {}
+    for name, (ms, calls) in per_name.items():
+        c = by_category.setdefault(profile_category(name), {"ms": 0.0, "fraction": 0.0, "calls": 0})
+        c["ms"] += ms
+        c["calls"] += calls
+    for c in by_category.values():
+        c["fraction"] = c["ms"] / kernel_ms if kernel_ms else 0.0
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_fraction": kernel_ms / wall_ms if wall_ms else 0.0,
+            "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1]["ms"])),
+            "top": [{"name": n[:200], "category": profile_category(n), "ms": ms, "calls": calls}
+                    for n, (ms, calls) in ranked]}
+
+
 def model_level(args) -> dict:
     """Whole-model chunked prefills, three systems (module docstring); returns the JSON record."""
     device = torch.device(args.device)
@@ -422,6 +492,8 @@ def model_level(args) -> dict:
                                                                      else _graphs(model) - graphs)}
             if device.type == "cuda":
                 rec["peak_bytes_above_start"] = torch.cuda.max_memory_allocated(device) - before
+            if args.profile_row == tokens:  # one more prefill under the profiler, after the timed ones
+                rec["profile"] = kernel_breakdown(lambda: _prefill(model, ids, args.chunk), device)
             entry["systems"][system] = rec
             peak = rec.get("peak_bytes_above_start")
             print(f"{tokens:>7} {system:>9} {ms:>10.1f} {rec['prefill_tokens_per_s']:>10.0f} {rec['x_of_bound']:>8.2f} "
@@ -433,6 +505,12 @@ def model_level(args) -> dict:
             if "prefill_ms" in done.get("unimem", {}) and "prefill_ms" in done.get(other, {}):
                 entry[f"unimem_speedup_over_{other}"] = done[other]["prefill_ms"] / done["unimem"]["prefill_ms"]
         result["rows"].append(entry)
+        for system, rec in entry["systems"].items():
+            if "profile" in rec:
+                prof = rec["profile"]
+                parts = ", ".join(f"{c} {v['ms']:.1f} ms ({v['fraction']:.0%})" for c, v in prof["by_category"].items())
+                print(f"{tokens:>7} {system:>9} profile: {prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} "
+                      f"ms (busy {prof['busy_fraction']:.0%}): {parts}")
         print(f"{tokens:>7} bound {bound_ms:.1f} ms ({flops['total'] / 1e12:.2f} TFLOP; re-expansion in mla_prefill "
               f"{flops['reexpansion_flops'] / 1e12:.2f} TFLOP more)")
         if args.out:  # rewritten after every row: a run cut short keeps what it measured
@@ -455,6 +533,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor", help="model level: the inner torch.compile backend")
     ap.add_argument("--repeats", type=int, default=2, help="model level: timed runs per row and system (best)")
     ap.add_argument("--systems", default=",".join(MODEL_SYSTEMS), help="model level: comma-separated systems")
+    ap.add_argument("--profile-row", type=int, default=None,
+                    help="model level: after timing this row (tokens, one of --rows), prefill it once more under "
+                         "torch.profiler and record where the time goes (kernel_breakdown)")
     ap.add_argument("--deadline-s", type=float, default=float("inf"),
                     help="model level: skip a row / system whose estimate would pass this many seconds")
     args = ap.parse_args(argv)
@@ -463,6 +544,8 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.systems) - set(MODEL_SYSTEMS))
         if unknown or not args.systems:
             ap.error(f"unknown --systems {unknown}; choose from {list(MODEL_SYSTEMS)}")
+        if args.profile_row is not None and args.profile_row not in (args.rows or MODEL_ROWS):
+            ap.error(f"--profile-row {args.profile_row} is not one of the rows {sorted(args.rows or MODEL_ROWS)}")
         if args.repeats < 1 or args.chunk < 1:
             ap.error(f"--repeats and --chunk must be >= 1, got {args.repeats} and {args.chunk}")
         model_level(args)

@@ -100,10 +100,10 @@ for s in "$@"; do
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;
     bench_prefill_model) run_step bench_prefill_model 540 python3 -P benchmarks/bench_mla_prefill.py \
-                           --model kimi-linear-48b-4l --systems unimem,old_path \
+                           --model kimi-linear-48b-4l --systems unimem,old_path --profile-row 32768 \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model:-540} - 40 ))" --out "$OUT/json/prefill_model.json" ;;
     bench_prefill_model_stock) run_step bench_prefill_model_stock 540 python3 -P benchmarks/bench_mla_prefill.py \
-                           --model kimi-linear-48b-4l --systems stock \
+                           --model kimi-linear-48b-4l --systems stock --profile-row 32768 \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model_stock:-540} - 40 ))" \
                            --out "$OUT/json/prefill_model_stock.json" ;;
     demo_real) run_step demo_real 165 python3 -P -m unimem_compile.cli demo --model kimi-linear-48b-4l --device cuda --cudagraphs --json ;;
