@@ -17,9 +17,9 @@ Traces (seed ``--seed``, :func:`chat_lengths`, :func:`long_lengths`):
 
 ``--scale f`` keeps the first ``f`` of each phase's requests and compresses nothing: the arrival rate is the
 same, so durations shrink in proportion. Arrival rate rule: the highest at which the unified engine keeps its
-queue bounded on the stationary trace (``--find-rate``: a bisection over short stationary runs; bounded =
-the queue in the last quarter of the arrivals never exceeds its peak over the first three quarters plus
-8); every system then gets that same rate, passed as ``--rate``.
+queue bounded on the stationary trace (``--find-rate``: a bisection over short stationary runs, each stopped
+at its last arrival; bounded = the queue in the last quarter of the arrivals never exceeds its peak over the
+first three quarters plus 8); every system then gets that same rate, passed as ``--rate``.
 
 Systems (``--systems``, comma-separated; same budget, same process, same kernels): ``unified`` (the arena
 shared by KV pages and state slots), ``static0.25`` / ``static0.5`` / ``static0.75`` (the same engine with
@@ -35,18 +35,47 @@ preemptions, TTFT and TPOT p50 / p99 (seconds), output tokens/s and requests/s o
 whose queue head found no room) and refusals with room (the arena's free bytes could have held it), pages
 and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots.
 ``--step-check``: the engine's decode step at 32 running rows against the runner's ``generate()`` step at
-batch 32 (ms per step; the target is within 1.2x).
+batch 32 (ms per step; the target is within 1.2x); it runs before the traces.
+
+Fairness: the systems run one after another in one process, in ``--systems`` order, after one warm-up
+(:func:`warm_up`) that compiles everything a timed run can reach: every decode bucket's step, and prefill
+chunks of every length class of the kernels' own selection (the write kernel's tokens per program, the
+prefill attention's query tile and workspace pieces, flash-linear-attention's l2norm autotune bucket, which
+turns at 2048 tokens x 32 heads, the graph forms) as first chunks, later chunks and chunks whose history
+crosses the workspace, plus budget splits. Before it, the first system paid Triton's compiles and fla's
+autotuning inside its timed window, built a queue early and never recovered (2026-12-02: static0.5 first, 35
+compiles in its run; 2026-12-01: unified first and slower). A run that still compiled (Dynamo graphs or
+Triton kernels) carries ``confounded_by_jit: true``, is printed with a warning, and so are the ratios that
+use it. Mean concurrency is a fair comparison only at the issue's rate: below the capacity of both systems
+the faster one holds each request for less time and so has FEWER requests in flight (Little's law, L =
+lambda x W); hence ``--find-rate``.
 
 GPU, full run (one H200; ~2 x 3000 requests per system: budget about 15-25 minutes per system and trace at
 a rate near capacity; run systems in separate device calls, each writes its JSON):
     python benchmarks/bench_serving.py --systems unified --traces stationary,phased --rate R \
         --out $OUT/serving_unified.json
-GPU, reduced (fits a few minutes): --scale 0.05 --budget-gib 0.75 --max-batch 32 --systems static0.5,unified
-    --traces phased --rate 8. The arena shrinks with the trace: at scale 0.05 the phased burst has 3 long-context
-    requests, and 6 GiB holds ~2.8M tokens or 488 state slots of this model (``unimem-compile pool-info``), so
-    memory never binds (2026-12-01: 14% peak occupancy, both systems capped by 32 rows alike). 0.75 GiB holds
-    343k tokens or 60 slots (13.2 MB each): 32 chat rows' slots (~420 MB) beside the burst's 16k-96k-token
-    prompts (37-221 MB each) contend as the full run's 6 GiB does with its 60; a 50/50 split holds 30 slots.
+GPU, issue 23 in three calls (``gpu_session.sh`` steps ``bench_serving_stationary``, ``bench_serving_phased``
+with ``SERVE_RATE`` = the first call's rate, ``bench_serving_stock``; each under 570 s of one H200, each with
+``--deadline-s 480``, each paying the build (~25 s) and the warm-up (259 s on 2026-12-02 with fla, more now
+that it also covers what the timed runs compiled then: estimate ~310 s)):
+    --scale 0.05 --budget-gib 0.75 --max-batch 32 --drain-timeout-s 30, systems static0.5, unified,
+    static0.25, static0.75, simbest; the first call adds --find-rate --rate-lo 4 --rate-hi 52 --rate-iters 5
+    on the stationary trace (runs cut at the last arrival: 150 / rate, 3-27 s each), the second --rate R --step-check
+    on the phased trace; the third stock_cb, stock_static on the phased trace.
+  How it departs from the issue, and why: 5% of each trace's requests (150 stationary, 75 + 3 + 75 phased),
+  not 3000 / 3060, because five systems of 3000 requests take hours, not a 10-minute call; the arena scaled
+  with the trace (0.75 GiB, not 6 GiB) so that memory binds, as below; 32 decode rows; the rate bisected on
+  that short stationary trace (a noisier form of the issue's rule, 1.5 requests/s apart); a system that has
+  not served its trace 30 s after the last arrival is stopped and its run records what it served; the two
+  traces in two processes (same commit, same seed, each with its own warm-up); the stock systems in a call
+  of their own.
+GPU, reduced (one call, the sessions before the preset above): --scale 0.05 --budget-gib 0.75 --max-batch 32
+    --systems static0.5,unified --traces phased --rate 8. The arena shrinks with the trace: at scale 0.05 the
+    phased burst has 3 long-context requests, and 6 GiB holds ~2.8M tokens or 488 state slots of this model
+    (``unimem-compile pool-info``), so memory never binds (2026-12-01: 14% peak occupancy, both systems capped
+    by 32 rows alike). 0.75 GiB holds 343k tokens or 60 slots (13.2 MB each): 32 chat rows' slots (~420 MB)
+    beside the burst's 16k-96k-token prompts (37-221 MB each) contend as the full run's 6 GiB does with its
+    60; a 50/50 split holds 30 slots.
 CPU smoke (tiny model, seconds after compiles): python benchmarks/bench_serving.py --device cpu --smoke
 """
 
@@ -715,9 +744,9 @@ def main(argv=None) -> int:
     p.add_argument("--sim-tick-s", type=float, default=0.05, help="seconds per simulator tick for simbest")
     p.add_argument("--step-check", action="store_true", help="decode step at 32 rows: engine vs runner generate()")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="seconds after start past which no further system, trace or step check starts (each is "
-                        "recorded as skipped); the JSON is written after every system, so a run cut short keeps "
-                        "what it measured")
+                   help="seconds after start past which no further system starts (each is recorded as skipped; "
+                        "stock_static starts no further batch); the JSON is written after every system, so a run "
+                        "cut short keeps what it measured")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json)")
     p.add_argument("--plots", default=None, help="folder of serving_<trace>.png (default benchmarks/plots)")
     args = p.parse_args(argv)
@@ -761,6 +790,9 @@ def main(argv=None) -> int:
         p.error("--rate is required (or --find-rate)")
     record["rate"] = args.rate
     record["rate_source"] = "--find-rate" if args.find_rate else "--rate"
+    if args.step_check:  # before the traces: its generate() compiles batch-32 prefill graphs no engine run uses
+        record["step_check"] = step_check(model, args)
+        print("step check", json.dumps(record["step_check"]), flush=True)
     results = record["results"] = {}
     for name in [t for t in args.traces.split(",") if t]:
         trace = make_trace(name, args.rate, args.seed, args.scale, args.scale_tokens)
@@ -801,12 +833,6 @@ def main(argv=None) -> int:
             save()
         if "ratios" in results[name]:
             print(f"{name:10s} ratios {json.dumps(results[name]['ratios'])}", flush=True)
-    if args.step_check:
-        if past_deadline():
-            record["step_check"] = {"skipped": f"--deadline-s {args.deadline_s} passed before it started"}
-        else:
-            record["step_check"] = step_check(model, args)
-        print("step check", json.dumps(record["step_check"]), flush=True)
     save()
     plot(results, os.path.join(plots, "serving.png"))
     print(f"wrote {out} and {os.path.join(plots, 'serving.png')} in {time.perf_counter() - t_start:.0f} s")

@@ -391,6 +391,20 @@ def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios
     assert bench.comparison({"static0.5": clean}) is None
 
 
+def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
+    """--deadline-s 0: every system is recorded as skipped (nothing timed runs, so no warm-up either), the
+    JSON and the plot are written, with the rate and where it came from."""
+    bench = _script("bench_serving")
+    out = tmp_path / "serving.json"
+    assert bench.main(["--device", "cpu", "--smoke", "--systems", "stock_cb,stock_static", "--traces", "phased",
+                       "--rate", "5", "--deadline-s", "0", "--out", str(out), "--plots", str(tmp_path)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["rate"] == 5.0 and rec["rate_source"] == "--rate" and "warm_up" not in rec
+    assert set(rec["results"]["phased"]) == {"stock_cb", "stock_static"}
+    assert all("--deadline-s 0" in r["skipped"] for r in rec["results"]["phased"].values())
+    assert (tmp_path / "serving.png").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_cuda_kernels_refuses_without_cuda_instead_of_reporting_no_launch():
     from unimem_compile.profiling import cuda_kernels
