@@ -76,7 +76,9 @@ GPU, reduced (one call, the sessions before the preset above): --scale 0.05 --bu
     by 32 rows alike). 0.75 GiB holds 343k tokens or 60 slots (13.2 MB each): 32 chat rows' slots (~420 MB)
     beside the burst's 16k-96k-token prompts (37-221 MB each) contend as the full run's 6 GiB does with its
     60; a 50/50 split holds 30 slots.
-CPU smoke (tiny model, seconds after compiles): python benchmarks/bench_serving.py --device cpu --smoke
+CPU smoke (tiny model, every system and trace, ~2 minutes on two cores, most of it the warm-up's compiles; the
+JSON and plot go to the temp folder, never over a result of record):
+    python benchmarks/bench_serving.py --device cpu --smoke
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import threading
 import time
 
@@ -590,7 +593,7 @@ def warm_up_groups(budget: int, max_prompt: int, **kw) -> list[list[int]]:
 def warm_up(model, args) -> dict:
     """Compile everything the timed runs can reach before any of them: every decode bucket's greedy step
     (compile, capture) and the prefill chunks of :func:`warm_up_groups`, each group through its own engine
-    at the run's ``max_prefill_tokens``. Returns ``{"seconds", "requests", "chunks", "graphs_compiled",
+    at the run's ``max_prefill_tokens``. Returns ``{"seconds", "requests", "failed", "chunks", "graphs_compiled",
     "triton_compiles", "triton_kernels_compiled", "uncovered"}``: ``uncovered`` lists the variants of
     :func:`reachable_variants` the groups miss (none, unless the kernels' selection changed)."""
     kw = _variant_geometry(model)
@@ -599,11 +602,12 @@ def warm_up(model, args) -> dict:
     groups = warm_up_groups(budget, max_prompt, **kw)
     planned = set()
     for group in groups:
-        for T, start in chunk_plan(group, budget):
-            planned |= prefill_variants(T, start, **kw)
+        for T, prefix in chunk_plan(group, budget):
+            planned |= prefill_variants(T, prefix, **kw)
     vocab = model.config.vocab_size
     start = time.perf_counter()
     graphs_before = _compiled_graphs()
+    failed = 0
     with torch.no_grad(), TritonCompiles() as jit:
         model.unimem.capture()
         for group in groups:
@@ -613,8 +617,10 @@ def warm_up(model, args) -> dict:
                                     min_new_tokens=WARM_UP_NEW_TOKENS)
             while manager.step():
                 pass
-    return {"seconds": time.perf_counter() - start, "requests": sum(len(g) for g in groups),
-            "chunks": sum(len(chunk_plan(g, budget)) for g in groups), "graphs_compiled": _compiled_graphs() - graphs_before,
+            failed += manager.engine.counters["failed"]  # a chunk that raised did not warm its variants
+    return {"seconds": time.perf_counter() - start, "requests": sum(len(g) for g in groups), "failed": failed,
+            "chunks": sum(len(chunk_plan(g, budget)) for g in groups),
+            "graphs_compiled": _compiled_graphs() - graphs_before,
             "triton_compiles": len(jit.names) if jit.available else None,
             "triton_kernels_compiled": dict(collections.Counter(jit.names)) if jit.available else None,
             "uncovered": sorted(map(str, reachable_variants(budget, max_prompt, **kw) - planned))}
@@ -747,8 +753,10 @@ def main(argv=None) -> int:
                    help="seconds after start past which no further system starts (each is recorded as skipped; "
                         "stock_static starts no further batch); the JSON is written after every system, so a run "
                         "cut short keeps what it measured")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json)")
-    p.add_argument("--plots", default=None, help="folder of serving_<trace>.png (default benchmarks/plots)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<date>.json; with "
+                   "--smoke <tmp>/bench_serving_smoke/serving_smoke.json)")
+    p.add_argument("--plots", default=None, help="folder of serving.png (default benchmarks/plots; with --smoke the "
+                   "JSON's folder)")
     args = p.parse_args(argv)
     apply_presets(args)
     systems = [s for s in args.systems.split(",") if s]
@@ -757,8 +765,11 @@ def main(argv=None) -> int:
         p.error(f"unknown systems {bad}; systems: {','.join(SYSTEMS)}")
     args.keep_stock = bool({"stock_cb", "stock_static"} & set(systems))
     here = os.path.dirname(os.path.abspath(__file__))
-    out = args.out or os.path.join(here, "results", f"serving_{time.strftime('%Y-%m-%d')}.json")
-    plots = args.plots or os.path.join(here, "plots")
+    # a smoke run never lands on the results of record (same date, same name): its defaults are a temp folder
+    scratch = os.path.join(tempfile.gettempdir(), "bench_serving_smoke")
+    out = args.out or (os.path.join(scratch, "serving_smoke.json") if args.smoke else
+                       os.path.join(here, "results", f"serving_{time.strftime('%Y-%m-%d')}.json"))
+    plots = args.plots or (scratch if args.smoke else os.path.join(here, "plots"))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     os.makedirs(plots, exist_ok=True)
 
@@ -779,8 +790,8 @@ def main(argv=None) -> int:
         record["warm_up"] = warm_up(model, args)  # compiles and captures outside every timed run
         record["warm_up_s"] = record["warm_up"]["seconds"]
         w = record["warm_up"]
-        print(f"warm-up {w['seconds']:.1f} s: {w['requests']} requests, {w['chunks']} prefill chunks, "
-              f"{w['graphs_compiled']} graphs, {w['triton_compiles']} Triton compiles "
+        print(f"warm-up {w['seconds']:.1f} s: {w['requests']} requests ({w['failed']} failed), {w['chunks']} "
+              f"prefill chunks, {w['graphs_compiled']} graphs, {w['triton_compiles']} Triton compiles "
               f"{json.dumps(w['triton_kernels_compiled'])}; uncovered {w['uncovered']}", flush=True)
     if args.find_rate:
         record["rate_search"] = find_rate(model, args)
@@ -819,10 +830,10 @@ def main(argv=None) -> int:
                 r = run_engine(model, system, trace, args)
             r["wall_s"] = time.perf_counter() - t0
             results[name][system] = r
-            brief = {k: r.get(k) for k in ("mean_concurrent", "peak_concurrent", "preemptions", "ttft_p99_s",
+            brief = {k: r[k] for k in ("mean_concurrent", "peak_concurrent", "preemptions", "ttft_p99_s",
                                            "output_tokens_per_s", "refused_with_room", "leaked_pages",
                                            "graphs_compiled_in_run", "triton_compiles_in_run", "confounded_by_jit",
-                                           "kv_share", "error")}
+                                           "kv_share", "error") if k in r}
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
             if r.get("confounded_by_jit"):
                 print(f"{name:10s} {system:12s} WARNING: confounded by JIT "

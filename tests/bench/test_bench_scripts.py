@@ -307,7 +307,8 @@ _SMOKE_KW = dict(kda_heads=4, workspace_tokens=8192, arch=90)
 
 
 def _planned(bench, groups, budget, kw):
-    return {v for g in groups for T, start in bench.chunk_plan(g, budget) for v in bench.prefill_variants(T, start, **kw)}
+    return {v for g in groups for T, start in bench.chunk_plan(g, budget)
+            for v in bench.prefill_variants(T, start, **kw)}
 
 
 @pytest.mark.parametrize("budget, max_prompt, kw", [(4096, 96 * 1024 + 510, _GPU_KW), (32, 158, _SMOKE_KW),
