@@ -18,7 +18,10 @@
 #          the stationary trace, then every engine system on it), bench_serving_phased (the step check, then every
 #          engine system on the phased trace at SERVE_RATE, the rate the first call found: its JSON's "rate", its log's
 #          "rate search" line; unset: it searches again, ~40 s more), bench_serving_stock (stock generate_batch and
-#          stock static cache + compile on the phased trace at SERVE_RATE, default 8)
+#          stock static cache + compile on the phased trace at SERVE_RATE, default 8). Expected (estimates from
+#          2026-12-02's call, not measured with this warm-up): build ~25 s and warm-up ~310 s in each of the first
+#          two, then the rate search ~40 s and five systems of 10-40 s (stationary), or the step check ~45 s and
+#          five systems of 10-40 s (phased): 450-530 s; --deadline-s 480 starts no system later, limit 570 s
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
