@@ -75,9 +75,11 @@ run_step() {  # run_step NAME SECONDS COMMAND...
   echo "=== $name rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 }
 
-# issue 23's reduced serving preset (bench_serving's docstring): the trace at 5% of its requests, the arena scaled
-# with it so that memory binds, 32 decode rows, a system that has not served its trace 30 s after the last arrival
-# stopped (what it served is recorded); the engine systems in this order, one warm-up before them all
+# issue 23's reduced serving preset (bench_serving's docstring gives the details): 5% of each trace's requests, not
+# 3000 (five systems of 3000 requests take hours, a device call 10 minutes); the arena scaled with them, 0.75 GiB
+# not 6 GiB (with 5% of the requests 6 GiB never fills: 14% peak occupancy on 2026-12-01); 32 decode rows; a system
+# that has not served its trace 30 s after the last arrival is stopped (what it served is recorded); the engine
+# systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
 SERVE_REDUCED="--scale 0.05 --budget-gib 0.75 --max-batch 32 --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
 SERVE_FIND="--find-rate --rate-lo 4 --rate-hi 52 --rate-iters 5"
