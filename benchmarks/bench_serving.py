@@ -43,10 +43,10 @@ chunks of every length class of the kernels' own selection (the write kernel's t
 prefill attention's query tile and workspace pieces, flash-linear-attention's l2norm autotune bucket, which
 turns at 2048 tokens x 32 heads, the graph forms) as first chunks, later chunks and chunks whose history
 crosses the workspace, plus budget splits. Before it, the first system paid Triton's compiles and fla's
-autotuning inside its timed window, built a queue early and never recovered (2026-12-02: static0.5 first, 35
-compiles in its run; 2026-12-01: unified first and slower). A run that still compiled (Dynamo graphs or
-Triton kernels) carries ``confounded_by_jit: true``, is printed with a warning, and so are the ratios that
-use it. Mean concurrency is a fair comparison only at the issue's rate: below the capacity of both systems
+autotuning inside its timed window (2026-12-02: static0.5 ran first, compiled 35 kernels in its run and
+queued, TTFT p50 8.6 s against unified's 0.06 s; 2026-12-01: unified ran first and was 20% slower). A run
+that still compiled (Dynamo graphs or Triton kernels) carries ``confounded_by_jit: true``, is printed with a
+warning, and so are the ratios that use it. Mean concurrency is a fair comparison only at the issue's rate: below the capacity of both systems
 the faster one holds each request for less time and so has FEWER requests in flight (Little's law, L =
 lambda x W); hence ``--find-rate``.
 
@@ -60,8 +60,8 @@ with ``SERVE_RATE`` = the first call's rate, ``bench_serving_stock``; each under
 that it also covers what the timed runs compiled then: estimate ~310 s)):
     --scale 0.05 --budget-gib 0.75 --max-batch 32 --drain-timeout-s 30, systems static0.5, unified,
     static0.25, static0.75, simbest; the first call adds --find-rate --rate-lo 4 --rate-hi 52 --rate-iters 5
-    on the stationary trace (runs cut at the last arrival: 150 / rate, 3-27 s each), the second --rate R --step-check
-    on the phased trace; the third stock_cb, stock_static on the phased trace.
+    on the stationary trace (runs cut at the last arrival: 150 / rate, 3-27 s each), the second --rate R
+    --step-check on the phased trace; the third stock_cb, stock_static on the phased trace.
   How it departs from the issue, and why: 5% of each trace's requests (150 stationary, 75 + 3 + 75 phased),
   not 3000 / 3060, because five systems of 3000 requests take hours, not a 10-minute call; the arena scaled
   with the trace (0.75 GiB, not 6 GiB) so that memory binds, as below; 32 decode rows; the rate bisected on
