@@ -587,7 +587,8 @@ def warm_up_groups(budget: int, max_prompt: int, **kw) -> list[list[int]]:
     for tail in (1, budget):
         if budget >= 2 and 1 + tail <= max_prompt:
             groups.append([budget - 1, 1 + tail])
-    return [list(g) for g in dict.fromkeys(map(tuple, groups))]  # each group once, in order
+    # each group once, in order; none with a prompt the model could not hold (a budget above max_prompt)
+    return [list(g) for g in dict.fromkeys(map(tuple, groups)) if max(g) <= max_prompt]
 
 
 def warm_up(model, args) -> dict:

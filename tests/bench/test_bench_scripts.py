@@ -312,13 +312,14 @@ def _planned(bench, groups, budget, kw):
 
 
 @pytest.mark.parametrize("budget, max_prompt, kw", [(4096, 96 * 1024 + 510, _GPU_KW), (32, 158, _SMOKE_KW),
-                                                    (3000, 20000, _GPU_KW), (1000, 9000, dict(_GPU_KW, arch=80))])
+                                                    (3000, 20000, _GPU_KW), (1000, 9000, dict(_GPU_KW, arch=80)),
+                                                    (10000, 30000, _GPU_KW), (10000, 9000, _GPU_KW)])
 def test_serving_warm_up_reaches_every_kernel_variant_a_timed_run_can(budget, max_prompt, kw):
     """bench_serving's warm-up plan: its chunks reach every (kernel, variant) any chunk of a timed run reaches
     (any length up to the budget, after any prefix), and every prompt fits."""
     bench = _script("bench_serving")
     groups = bench.warm_up_groups(budget, max_prompt, **kw)
-    assert all(sum(g) <= max_prompt * len(g) and max(g) <= max_prompt for g in groups)
+    assert groups and all(max(g) <= max_prompt for g in groups)
     reachable = bench.reachable_variants(budget, max_prompt, **kw)
     assert reachable - _planned(bench, groups, budget, kw) == set()
     kinds = {what for what, _ in reachable}
