@@ -137,7 +137,9 @@ def _latent_tile(nope_ptr, weight_ptr, t, live, nope_stride, eps, R: tl.constexp
     return x, m
 
 
-@triton.jit
+# T (tokens in the call) only bounds the lanes: specialising it (Triton does for ints equal to 1 or divisible by
+# 16) would compile up to three variants per block size as prefill chunk lengths vary, inside a serving run
+@triton.jit(do_not_specialize=["T"])
 def _mla_kv_write_kernel(
     out_ptr,  # the arena as kv_dtype elements (a typed view of the uint8 arena, from byte 0)
     v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,
@@ -164,7 +166,7 @@ def _mla_kv_write_kernel(
     tl.store(out_ptr + dst[:, None] + R + rcols[None, :], r.to(out_ptr.dtype.element_ty), mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # as _mla_kv_write_kernel
 def _mla_kv_write_fp8_kernel(
     code_ptr, scale_ptr, rope_out_ptr,  # the arena as uint8, fp32 and bf16 elements, each from byte 0
     v2p_ptr, loc_ptr, nope_ptr, rope_ptr, weight_ptr,

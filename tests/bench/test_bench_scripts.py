@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,6 +298,113 @@ def test_serving_counts_triton_compiles_through_the_hook_and_restores_the_one_th
         assert knobs.runtime.jit_post_compile_hook is previous
     finally:
         knobs.runtime.jit_post_compile_hook = old
+
+
+# the H200 reduced runs' geometry (kimi-linear-48b-8l: 32 KDA heads; mla_prefill's 8192-token workspace) and the
+# smoke run's (kimi-linear-tiny: 4 heads, max_seq_len 160, a 32-token budget)
+_GPU_KW = dict(kda_heads=32, workspace_tokens=8192, arch=90)
+_SMOKE_KW = dict(kda_heads=4, workspace_tokens=8192, arch=90)
+
+
+def _planned(bench, groups, budget, kw):
+    return {v for g in groups for T, start in bench.chunk_plan(g, budget)
+            for v in bench.prefill_variants(T, start, **kw)}
+
+
+@pytest.mark.parametrize("budget, max_prompt, kw", [(4096, 96 * 1024 + 510, _GPU_KW), (32, 158, _SMOKE_KW),
+                                                    (3000, 20000, _GPU_KW), (1000, 9000, dict(_GPU_KW, arch=80)),
+                                                    (10000, 30000, _GPU_KW), (10000, 9000, _GPU_KW)])
+def test_serving_warm_up_reaches_every_kernel_variant_a_timed_run_can(budget, max_prompt, kw):
+    """bench_serving's warm-up plan: its chunks reach every (kernel, variant) any chunk of a timed run reaches
+    (any length up to the budget, after any prefix), and every prompt fits."""
+    bench = _script("bench_serving")
+    groups = bench.warm_up_groups(budget, max_prompt, **kw)
+    assert groups and all(max(g) <= max_prompt for g in groups)
+    reachable = bench.reachable_variants(budget, max_prompt, **kw)
+    assert reachable - _planned(bench, groups, budget, kw) == set()
+    kinds = {what for what, _ in reachable}
+    assert kinds == {"graph", "mla_kv_write", "mla_prefill", "fla_l2norm"}
+
+
+def test_serving_old_warm_up_missed_what_the_2026_12_02_timed_runs_compiled():
+    """The warm-up before this plan (prompts of 3 x 4096 + 1, 1 and 2051 tokens at a 4096 budget) misses the
+    variants the H200 run compiled inside its timed windows (fla's l2norm at NB = 1, the attention's 32- and
+    64-query tiles, the write kernel's 2- and 4-token programs): the coverage check above can fail."""
+    bench = _script("bench_serving")
+    missed = bench.reachable_variants(4096, 96 * 1024 + 510, **_GPU_KW) - _planned(
+        bench, [[3 * 4096 + 1, 1, 2051]], 4096, _GPU_KW)
+    assert {("fla_l2norm", 1), ("mla_prefill", (32, False)), ("mla_prefill", (64, False)), ("mla_kv_write", 2),
+            ("mla_kv_write", 4)} <= missed
+
+
+def test_serving_prefill_variants_follow_the_kernels_boundaries():
+    """fla's l2norm autotune bucket turns at 2048 tokens x 32 heads; the attention tile at 16 / 32 / 64 queries;
+    several workspace pieces past 8192 stored tokens; one token is the decode form (no prefill attention)."""
+    bench = _script("bench_serving")
+
+    def get(T, start, what):
+        return [v for w, v in bench.prefill_variants(T, start, **_GPU_KW) if w == what]
+
+    assert get(2048, 0, "fla_l2norm") == [1] and get(2049, 0, "fla_l2norm") == [2]
+    assert [get(T, 0, "mla_prefill") for T in (2, 16, 17, 64, 65)] == [
+        [(16, False)], [(16, False)], [(32, False)], [(64, False)], [(128, False)]]
+    assert get(100, 8092, "mla_prefill") == [(128, False)] and get(100, 8093, "mla_prefill") == [(128, True)]
+    assert get(1, 0, "mla_prefill") == [] and get(1, 0, "graph") == ["one-token first"]
+    assert get(7, 3, "graph") == ["chunk later"]
+
+
+def test_serving_chunk_plan_splits_the_budget_as_the_engine_does():
+    """chunk_plan against the engine's chunks recorded on kimi-linear-tiny (budget 32: a request takes what
+    the one before left of the step), and on random groups: each prompt's chunks tile it, in order, and no
+    step exceeds the budget."""
+    bench = _script("bench_serving")
+    assert bench.chunk_plan([31, 48], 32) == [(31, 0), (1, 0), (32, 1), (15, 33)]
+    assert bench.chunk_plan([30, 7], 32) == [(30, 0), (2, 0), (5, 2)]
+    assert bench.chunk_plan([39], 32) == [(32, 0), (7, 32)]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        budget = int(rng.integers(1, 64))
+        prompts = rng.integers(1, 200, int(rng.integers(1, 5))).tolist()
+        chunks = bench.chunk_plan(prompts, budget)
+        assert sum(T for T, _ in chunks) == sum(prompts) and all(1 <= T <= budget for T, _ in chunks)
+        starts = sorted({s for _, s in chunks})
+        assert starts[0] == 0
+
+
+def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios():
+    """confounded_by_jit: True when Dynamo or Triton compiled inside the timed run, None when Triton's count is
+    unknown; comparison(): unified over every engine system, the 50/50 names of record, and a warning naming
+    the confounded systems."""
+    bench = _script("bench_serving")
+    assert bench.confounded_by_jit(0, 0) is False and bench.confounded_by_jit(0, 35) is True
+    assert bench.confounded_by_jit(1, None) is True and bench.confounded_by_jit(0, None) is None
+    clean = {"mean_concurrent": 4.0, "ttft_p99_s": 1.0, "confounded_by_jit": False}
+    results = {"unified": clean, "static0.5": {"mean_concurrent": 2.0, "ttft_p99_s": 4.0, "confounded_by_jit": True},
+               "static0.25": {"mean_concurrent": 5.0, "ttft_p99_s": 2.0, "confounded_by_jit": False},
+               "stock_cb": {"system": "stock generate_batch", "error": "ValueError: ..."}}
+    ratios = bench.comparison(results)
+    assert ratios["unified_over_static0.5_mean_concurrent"] == 2.0 and ratios["ttft_p99_over_50_50"] == 0.25
+    assert ratios["unified_over_50_50_mean_concurrent"] == 2.0
+    assert ratios["unified_over_static0.25_mean_concurrent"] == 0.8
+    assert "static0.5" in ratios["warning"] and "static0.25" not in ratios["warning"]
+    assert not any("stock" in k for k in ratios)
+    del results["static0.5"]
+    assert "warning" not in bench.comparison(results)
+    assert bench.comparison({"static0.5": clean}) is None
+
+
+def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
+    """--deadline-s 0: every system is recorded as skipped (nothing timed runs, so no warm-up either), the
+    JSON and the plot are written, with the rate and where it came from."""
+    bench = _script("bench_serving")
+    out = tmp_path / "serving.json"
+    assert bench.main(["--device", "cpu", "--smoke", "--systems", "stock_cb,stock_static", "--traces", "phased",
+                       "--rate", "5", "--deadline-s", "0", "--out", str(out), "--plots", str(tmp_path)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["rate"] == 5.0 and rec["rate_source"] == "--rate" and "warm_up" not in rec
+    assert set(rec["results"]["phased"]) == {"stock_cb", "stock_static"}
+    assert all("--deadline-s 0" in r["skipped"] for r in rec["results"]["phased"].values())
+    assert (tmp_path / "serving.png").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -324,3 +324,19 @@ def test_an_arena_view_that_cannot_be_read_as_kv_dtype_rows_is_refused(gen):
     mw.mla_kv_write_triton(view, pool.v2p, loc, nope, rope, 0, L, 16, R, DR, torch.float32)
     torch.ops.unimem.mla_kv_write(pool.arena, pool.v2p, loc, nope, rope, 0, L, 16, R, DR, torch.float32)
     assert torch.equal(shifted[4: 4 + pool.arena.numel()], pool.arena)
+
+
+def _unspecialised(kernel) -> set[str]:
+    """The arguments a Triton kernel takes unspecialised: a compiled JITFunction's params, or the decorator's
+    arguments the interpreter keeps."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    return set(kernel.kwargs.get("do_not_specialize") or ())
+
+
+@pytest.mark.parametrize("kernel", [mw._mla_kv_write_kernel, mw._mla_kv_write_fp8_kernel])
+def test_write_kernels_compile_one_variant_whatever_the_token_count(kernel):
+    """T only bounds the lanes: specialised (Triton's == 1 and % 16 classes) it made a serving run compile a
+    new variant per block size as chunk lengths varied (benchmarks/bench_serving.py's warm-up relies on this)."""
+    assert "T" in _unspecialised(kernel)
