@@ -20,7 +20,9 @@ Scaled fp8 rows (an fp8 ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowF
 of their own (:func:`_mla_decode_split_fp8_kernel`: the same grid, tiles, tile loop, online softmax and
 merge, through the helpers both split kernels call): it reads the codes, the fp32 scale of each 128-value
 tile and the bf16 rope, converts the codes exactly and applies the scales after the products they factor
-out of, never rounding a dequantised value.
+out of, never rounding a dequantised value. On an sm_90 GPU at Kimi-Linear's / DeepSeek's geometry fp8 rows
+take the Hopper fp8 kernel instead (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`, about 2x the
+portable one); both are slower than bf16 rows today (fp8 KV buys 1.76x the tokens, not speed).
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_ml
 from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
-from .mla_decode_hopper import (FP8_WGMMA_VARIANT, FP8_WGMMA_VARIANTS, WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES,
-                                disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
+from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -62,10 +63,11 @@ FP8_MAX_SCALE_TILES = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
 #: Whether ``kernel="auto"`` takes the Hopper kernel for fp8 rows too (:func:`~.mla_decode_hopper.
-#: mla_decode_stage1_wgmma_fp8`). False until a GPU run has checked it (tests/gpu/test_mla_decode_fp8_gpu.py)
-#: and timed it faster than the portable fp8 kernel (``bench_mla_decode.py --kv-dtype fp8_e4m3 --kernel
-#: wgmma`` beside the ``--kernel auto`` run); ``kernel="wgmma"`` runs it either way.
-FP8_AUTO_WGMMA = False
+#: mla_decode_stage1_wgmma_fp8`) where it applies: True since the thirteenth session's H200 run, where it
+#: passed the GPU tests (tests/gpu/test_mla_decode_fp8_gpu.py) and measured 0.65-0.76x the bf16 kernel, about
+#: 2x the portable fp8 kernel's 0.32-0.46x (benchmarks/results/mla_decode_2026-12-02_fp8_wgmma_ab.json,
+#: mla_decode_2026-12-01_fp8.json). False sends fp8 rows to the portable fp8 kernel unless ``kernel="wgmma"``.
+FP8_AUTO_WGMMA = True
 
 _LOG2E = 1.4426950408889634
 
@@ -599,7 +601,7 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, wgmma_fp8_variant: str = FP8_WGMMA_VARIANT,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL,
     merge_block_r: int | None = None, merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
@@ -620,25 +622,23 @@ def mla_decode_triton(
             environment variable, :func:`unimem_compile.env.mla_decode_kernel`, else "auto"). "auto" takes
             the Hopper TMA + wgmma kernel where :func:`~.mla_decode_hopper.wgmma_supported` says it applies
             (sm_90, bf16/fp16 or e4m3fn/e4m3fnuz rows, page size a multiple of 64, R 512, Dr 64; for fp8
-            rows only when :data:`FP8_AUTO_WGMMA`) and the portable Triton kernel elsewhere; "wgmma" raises
+            rows while :data:`FP8_AUTO_WGMMA`, True) and the portable Triton kernel elsewhere; "wgmma" raises
             ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
             ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a ``wgmma_stages``-deep TMA ring) and its
             default split count assumes one resident program per SM.
-        wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
-            :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
-        wgmma_fp8_variant: the Hopper fp8 kernel's form, one of
-            :data:`~.mla_decode_hopper.FP8_WGMMA_VARIANTS` (default "serial"; "overlap" overlaps the
-            dequantisation with the products, same results, not yet run on a GPU, and needs
-            ``wgmma_stages == 2``); ignored elsewhere.
+        wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1; exactly 2 for fp8 rows) and
+            refill order (see :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable
+            kernel.
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
     An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs, with
-    ``kernel="wgmma"`` (or "auto" when :data:`FP8_AUTO_WGMMA` is switched on), the Hopper fp8 kernel
+    ``kernel="wgmma"`` or "auto" where it applies (:data:`FP8_AUTO_WGMMA`), the Hopper fp8 kernel
     (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`: the rows dequantised once to the bf16 values
-    :func:`mla_decode_reference` reads, then the bf16 Hopper kernel's products; its knobs as for bf16 rows,
-    ``wgmma_early_refill`` ignored), and otherwise the portable form's fp8 split kernel (the knobs apply as
-    to the portable kernel): it reads
+    :func:`mla_decode_reference` reads, beside the bf16 Hopper kernel's products; its knobs as for bf16 rows,
+    ``wgmma_stages`` 2 only, ``wgmma_early_refill`` ignored; 0.65-0.76x the bf16 kernel's speed on an H200:
+    fp8 KV holds 1.76x the tokens, it does not decode faster), and otherwise the portable form's fp8 split
+    kernel (0.32-0.46x bf16; the knobs apply as to the portable kernel): it reads
     each row's fp8 codes, fp32 scales and bf16 rope (656 bytes at R 512, Dr 64, not 1152), converts the
     codes exactly to the dot dtype (bf16 for 16-bit queries, fp32 for fp32 ones; :func:`fp8_hw_conversion`
     says how) and applies each 128-value tile's scale after the dot it factors out of (per (head, token)
@@ -674,8 +674,6 @@ def mla_decode_triton(
     for name, value in (("merge_block_r", merge_block_r), ("merge_block_s", merge_block_s)):
         if value is not None:
             check_knob(op, name, value, power_of_two=True)
-    if wgmma_fp8_variant not in FP8_WGMMA_VARIANTS:
-        raise ValueError(f"{op}: wgmma_fp8_variant must be one of {FP8_WGMMA_VARIANTS}, got {wgmma_fp8_variant!r}")
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
     if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
@@ -734,8 +732,7 @@ def mla_decode_triton(
                 mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows.view(n_rows, g.row_bytes), g.row_format, v2p,
                                             page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
                                             P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
-                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages,
-                                            variant=wgmma_fp8_variant)
+                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages)
             else:
                 mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
                                         page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
