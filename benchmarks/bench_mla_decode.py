@@ -38,12 +38,16 @@ values, the Hopper one over their bf16 roundings, so they differ by that), then 
 (TFLOP/s). (Its first run, 2026-12-02, timed the Hopper fp8 kernel's two schedules instead: the one kept,
 1.57-1.62x the other; results/mla_decode_2026-12-02_fp8_wgmma_ab.json.)
 
+``--fp8-f16-ab`` is the same A/B for the Hopper fp8 kernel's two dequantisation chains (:data:`FP8_F16_AB_FORMS`:
+the default bf16 chain and ``wgmma_fp8_f16=True``, the f16 one, off by default until this run times it;
+``max_abs_diff_vs_wgmma`` is the f16 chain's rounding difference, not zero).
+
 ``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2|_l2_fp8].json`` in
 it, the names of record (docs/design.md section 8); an fp8 run with ``--kernel wgmma`` or ``portable`` adds
 the kernel's name (``mla_decode_<date>_fp8_wgmma.json``, ``_l2_fp8_wgmma``), so it sits beside the auto run.
 
 usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
-           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only] [--fp8-wgmma-ab]
+           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only] [--fp8-wgmma-ab] [--fp8-f16-ab]
 """
 
 from __future__ import annotations
@@ -330,6 +334,8 @@ def fp8_targets(points: list[dict]) -> dict:
 
 #: ``--fp8-wgmma-ab``'s forms: name -> ``mla_decode_triton`` keywords, on e4m3fn rows beside the bf16 Hopper kernel
 FP8_AB_FORMS = {"wgmma": {"kernel": "wgmma"}, "portable": {"kernel": "portable"}}
+#: ``--fp8-f16-ab``'s: the Hopper fp8 kernel's bf16 dequantisation chain (the default) and its f16 one
+FP8_F16_AB_FORMS = {"wgmma": {"kernel": "wgmma"}, "wgmma_f16": {"kernel": "wgmma", "wgmma_fp8_f16": True}}
 
 
 def fp8_ab(forms=FP8_AB_FORMS, points=FP8_QUICK_POINTS) -> dict:
@@ -405,15 +411,19 @@ def main() -> None:
     ap.add_argument("--l2-ceiling", action="store_true",
                     help="only the compute-ceiling probe: the kernel on L2-resident rows (bf16, or --kv-dtype's), "
                          "in TFLOP/s")
+    ap.add_argument("--fp8-f16-ab", action="store_true",
+                    help="only the Hopper fp8 kernel's bf16 and f16 dequantisation chains side by side with the bf16 "
+                         "Hopper kernel at the --quick fp8 points, and on L2-resident rows")
     ap.add_argument("--fp8-wgmma-ab", action="store_true",
                     help="only the Hopper fp8 kernel and the portable fp8 kernel side by side with the bf16 Hopper "
                          "kernel at the --quick fp8 points, and on L2-resident rows")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kv_dtype = kv_dtype_of(args.kv_dtype)
-    if args.fp8_wgmma_ab:
+    if args.fp8_wgmma_ab or args.fp8_f16_ab:
+        key, forms = ("fp8_f16_ab", FP8_F16_AB_FORMS) if args.fp8_f16_ab else ("fp8_wgmma_ab", FP8_AB_FORMS)
         result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "triton": triton.__version__, "fp8_wgmma_ab": fp8_ab()}
+                  "torch": torch.__version__, "triton": triton.__version__, key: fp8_ab(forms)}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

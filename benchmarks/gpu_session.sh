@@ -16,7 +16,8 @@
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
-#          bench_mla_decode_l2_fp8 bench_mla_decode_fp8_wgmma bench_mla_decode_l2_fp8_wgmma bench_mla_decode_fp8_wgmma_ab bench_mla_decode_fp8_sweep demo_real_fp8 bench_generate_fp8 (FP8_DECODE_GRID:
+#          bench_mla_decode_l2_fp8 bench_mla_decode_fp8_wgmma bench_mla_decode_l2_fp8_wgmma bench_mla_decode_fp8_wgmma_ab bench_mla_decode_fp8_f16_ab
+#          bench_mla_decode_fp8_sweep demo_real_fp8 bench_generate_fp8 (FP8_DECODE_GRID:
 #          bench_mla_decode_fp8's grid arguments, default --quick; FP8_DECODE_GRID=" " times the full grid)
 #          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
 #          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
@@ -136,6 +137,10 @@ for s in "$@"; do
     # one kept was 1.57-1.62x the other)
     bench_mla_decode_fp8_wgmma_ab) run_step bench_mla_decode_fp8_wgmma_ab 150 python3 -P benchmarks/bench_mla_decode.py \
                       --fp8-wgmma-ab --out "$OUT/json/mla_decode_fp8_wgmma_ab.json" ;;
+    # the Hopper fp8 kernel's bf16 dequantisation chain (the default) against its f16 one (wgmma_fp8_f16=True,
+    # off until this step times it) and the bf16 kernel, same points; decides mla_decode_hopper.FP8_F16_VALUES
+    bench_mla_decode_fp8_f16_ab) run_step bench_mla_decode_fp8_f16_ab 150 python3 -P benchmarks/bench_mla_decode.py \
+                      --fp8-f16-ab --out "$OUT/json/mla_decode_fp8_f16_ab.json" ;;
     bench_mla_decode_fp8_sweep) run_step bench_mla_decode_fp8_sweep 300 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 \
                       --fp8-sweep-only --out "$OUT/json/mla_decode_sweep_fp8.json" ;;
     bench_mla_decode_l2) run_step bench_mla_decode_l2 60 python3 -P benchmarks/bench_mla_decode.py --l2-ceiling --out "$OUT/json/" ;;

@@ -43,7 +43,7 @@ from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_ml
 from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
-from .mla_decode_hopper import (WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
+from .mla_decode_hopper import (FP8_F16_VALUES, WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
@@ -601,7 +601,7 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, wgmma_fp8_f16: bool = FP8_F16_VALUES,
     merge_block_r: int | None = None, merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
@@ -629,6 +629,9 @@ def mla_decode_triton(
         wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1; exactly 2 for fp8 rows) and
             refill order (see :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable
             kernel.
+        wgmma_fp8_f16: the Hopper fp8 kernel's f16 dequantisation chain (``f16_values`` of
+            :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`; default False until a GPU run times it;
+            not bit for bit the bf16 chain); ignored elsewhere.
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
@@ -676,6 +679,8 @@ def mla_decode_triton(
             check_knob(op, name, value, power_of_two=True)
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
+    if not isinstance(wgmma_fp8_f16, bool):
+        raise ValueError(f"{op}: wgmma_fp8_f16 must be True or False, got {wgmma_fp8_f16!r}")
     if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
@@ -732,7 +737,8 @@ def mla_decode_triton(
                 mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows.view(n_rows, g.row_bytes), g.row_format, v2p,
                                             page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
                                             P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
-                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages)
+                                            hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages,
+                                            f16_values=wgmma_fp8_f16)
             else:
                 mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
                                         page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,

@@ -66,7 +66,7 @@ except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the 
     gluon = None
 
 __all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "mla_decode_stage1_wgmma_fp8", "fp8_row_descriptors",
-           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL"]
+           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL", "FP8_F16_VALUES"]
 
 #: Tokens per tile (one TMA box of rows; wgmma M).
 WGMMA_BLOCK_N = 64
@@ -78,6 +78,9 @@ WGMMA_STAGES = 2
 #: Default of ``early_refill=``: refill a ring buffer chunk by chunk as the value products release it (else
 #: after all of them).
 WGMMA_EARLY_REFILL = True
+#: Default of the fp8 kernel's ``f16_values=`` (:func:`mla_decode_stage1_wgmma_fp8`): False, the bf16 chain, until
+#: a GPU run has timed the f16 one (``bench_mla_decode.py --fp8-f16-ab``).
+FP8_F16_VALUES = False
 
 
 #: Why the wgmma kernel was turned off in this process (None: it is not): set by :func:`disable_wgmma`.
@@ -159,18 +162,18 @@ if gluon is not None:
         return start, end, gl.cdiv(end - start, BLOCK_N)
 
     @gluon.jit
-    def _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld: gl.constexpr, kv_ty: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr,
-                       CHUNK: gl.constexpr):
-        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
+    def _stage_queries(q_smem, qr_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr, CHUNK: gl.constexpr):
+        # queries -> shared memory in the buffers' dtypes, 8 chunks of [BLOCK_H, 64] into q_smem and the rope
+        # chunk into qr_smem; padded heads are zero (finite scores, never stored)
         offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
         offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
         h_ok = (offs_h < H)[:, None]
         qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
         for c in gl.static_range(NC):
-            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(q_smem.dtype))
         qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
-        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        qr_smem.store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(qr_smem.dtype))
         fence_async_shared()
 
     @gluon.jit
@@ -270,8 +273,8 @@ if gluon is not None:
                 _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, start + i * BLOCK_N, num_pages,
                             layer_rows, i, PS, L, NCH, CHUNK)
 
-        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+        _stage_queries(q_smem, q_smem.index(NC), q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -345,25 +348,49 @@ if gluon is not None:
         _tma_load(scale_desc, [row0, SCALE_COL], bar, scale_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _scaled_values(c: gl.constexpr, code_smem, scale_smem, stage, cv: gl.constexpr, NC: gl.constexpr,
-                       CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
-        # fp32(code) * scale [64 rows, 64] (layout cv) of value chunk c of the tile in ring stage `stage`: rounded
-        # once to bf16 by the caller, that is the value fp8.dequantize_rows gives
-        codes = code_smem.index(stage * NC + c).load(cv)
-        if HW_FP8:
-            values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        else:
-            values = fp8.fp8_decode(codes, FNUZ)
-        scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
-        return values * scale
+    def _f16_values(codes, scale16):
+        # fp8.fp8_f16_bits(codes) * scale16 on packed registers, 4 codes (one 32-bit register of the shared-memory
+        # load) at a time: two byte permutes spread them into 16-bit lanes, then per pair of lanes one AND, one
+        # ADD and one shift give ((b & 0x80) << 8) | ((b & 0x7F) << 7) = (b + (b & 0x80)) << 7 (no carry leaves a
+        # lane: at most 383 << 7 < 2^16), and one f16x2 multiply by the scales. Written out because Triton 3.9
+        # unpacks a 16-bit shift to one per value (with a permute in and one out): 2,544 instructions per tile
+        # that way, 1,921 this way, 1,985 for the bf16 chain (tests/ops/test_mla_decode_hopper_compile.py)
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, t;
+            prmt.b32 lo, $2, 0, 0x4140;
+            prmt.b32 hi, $2, 0, 0x4342;
+            and.b32 t, lo, 0x00800080;
+            add.u32 lo, lo, t;
+            shl.b32 lo, lo, 7;
+            and.b32 t, hi, 0x00800080;
+            add.u32 hi, hi, t;
+            shl.b32 hi, hi, 7;
+            mul.rn.f16x2 $0, lo, $3;
+            mul.rn.f16x2 $1, hi, $4;
+            }""",
+            constraints="=r,=r,r,r,r", args=[codes, scale16], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
     def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, dst, stage, cv: gl.constexpr, NC: gl.constexpr,
-                          CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
-        # value chunk c of the tile in ring stage `stage` -> the bf16 chunk buffer `dst`, with no per-value select:
-        # a partial tile's codes and scales past the end were zeroed beforehand (code 0 times scale 0 is +0)
-        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
-        dst.store(values.to(dst.dtype))
+                          CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr,
+                          F16_VALUES: gl.constexpr, F16_POW2: gl.constexpr):
+        # value chunk c [64 rows, 64] (layout cv) of the tile in ring stage `stage` -> the chunk buffer `dst`, with
+        # no per-value select: a partial tile's codes and scales past the end were zeroed beforehand (code 0 times
+        # scale 0 is +0). bf16 values: bf16(fp32(code) * scale), what fp8.dequantize_rows gives. F16_VALUES: the
+        # code's bits moved into an f16 (integer ops only, its value times 2^-k) times the f16 scale times 2^k,
+        # one f16 product, what fp8.dequantize_f16 gives
+        codes = code_smem.index(stage * NC + c).load(cv)
+        scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
+        if F16_VALUES:
+            scale16 = gl.full(codes.shape, 0.0, gl.float16, cv) + (scale * F16_POW2).to(gl.float16)
+            dst.store(_f16_values(codes, scale16))
+        else:
+            if HW_FP8:
+                values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            else:
+                values = fp8.fp8_decode(codes, FNUZ)
+            dst.store((values * scale).to(dst.dtype))
 
     @gluon.jit
     def _zero_rows_past_end(code_smem, scale_smem, stage, t0, end, cv: gl.constexpr, sv: gl.constexpr,
@@ -386,7 +413,8 @@ if gluon is not None:
         stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
         R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
         STAGES: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr, SCALE_TILE: gl.constexpr,
-        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, num_warps: gl.constexpr,
+        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, F16_VALUES: gl.constexpr, F16_POW2: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # _mla_decode_wgmma_kernel on scaled fp8 rows (mla_decode_stage1_wgmma_fp8 says why this way): the ring
         # holds the rows' codes, rope and scales as TMA brought them; the bf16 values live in a ring of 12 chunk
@@ -412,17 +440,22 @@ if gluon is not None:
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols]
         sv: gl.constexpr = gl.BlockedLayout([1, NC * CHUNK // SCALE_TILE], [32, 1], [num_warps, 1], [1, 0])
-        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], kv_ty)
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
+        # the products' dtype: bf16 (the rope's, as stored), or f16 for the values, queries and probabilities
+        # with F16_VALUES (the rope's score product stays bf16: wgmma accumulates both into one fp32 tile)
+        val_ty: gl.constexpr = gl.float16 if F16_VALUES else kv_ty
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], val_ty)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], val_ty)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], val_ty)
 
         code_smem = gl.allocate_shared_memory(code_desc.dtype, [STAGES * NC, BLOCK_N, CHUNK], code_desc.layout)
         rope_smem = gl.allocate_shared_memory(kv_ty, [STAGES, BLOCK_N, CHUNK], rope_desc.layout)
         scale_smem = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N, NC * CHUNK // SCALE_TILE],
                                                scale_desc.layout)
-        kv_smem = gl.allocate_shared_memory(kv_ty, [3 * HALF, BLOCK_N, CHUNK], kv_sl)  # 3 groups of 4 chunks
-        q_smem = gl.allocate_shared_memory(kv_ty, [NC + 1, BLOCK_H, CHUNK], q_sl)
-        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
+        kv_smem = gl.allocate_shared_memory(val_ty, [3 * HALF, BLOCK_N, CHUNK], kv_sl)  # 3 groups of 4 chunks
+        q_smem = gl.allocate_shared_memory(val_ty, [NC, BLOCK_H, CHUNK], q_sl)
+        qr_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_H, CHUNK], qr_sl)
+        p_smem = gl.allocate_shared_memory(val_ty, [BLOCK_N, BLOCK_H], p_sl)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -432,8 +465,8 @@ if gluon is not None:
             row0 = _tile_row0(pt_row_ptr, v2p_ptr, start + i * BLOCK_N, end, num_pages, layer_rows, PS, L)
             _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(i), row0,
                             i, i < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
-        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+        _stage_queries(q_smem, qr_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -446,7 +479,7 @@ if gluon is not None:
             _zero_rows_past_end(code_smem, scale_smem, 0, start, end, ld, sv, NC, BLOCK_N)
         for c in gl.static_range(NC):
             _dequantize_chunk(c, code_smem, scale_smem, kv_smem.index(c), 0, ld, NC, CHUNK, SCALE_TILE, HW_FP8,
-                                   FNUZ)
+                                   FNUZ, F16_VALUES, F16_POW2)
         fence_async_shared()
         for j in range(num_tiles):
             st = j % STAGES
@@ -462,7 +495,7 @@ if gluon is not None:
             for c in gl.static_range(HALF, NC):
                 sacc = warpgroup_mma(kv_smem.index(hi + c - HALF), q_smem.index(c).permute((1, 0)), sacc,
                                      is_async=True)
-            sacc = warpgroup_mma(rope_smem.index(st), q_smem.index(NC).permute((1, 0)), sacc, is_async=True)
+            sacc = warpgroup_mma(rope_smem.index(st), qr_smem.permute((1, 0)), sacc, is_async=True)
             # while the score product runs: tile j + 1's codes (zeroed past the end if partial) and its chunks
             # 0-3 into the free group. After the last tile the wait is skipped and the stale values never read
             nst = (j + 1) % STAGES
@@ -471,7 +504,7 @@ if gluon is not None:
                 _zero_rows_past_end(code_smem, scale_smem, nst, t0 + BLOCK_N, end, ld, sv, NC, BLOCK_N)
             for c in gl.static_range(HALF):
                 _dequantize_chunk(c, code_smem, scale_smem, kv_smem.index(nx + c), nst, ld, NC, CHUNK,
-                                       SCALE_TILE, HW_FP8, FNUZ)
+                                       SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
             a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
             acc0 = warpgroup_mma(kv_smem.index(lo + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
@@ -491,16 +524,16 @@ if gluon is not None:
             # it retired (groups retire in order), while products 4-7 still run
             acc0 = warpgroup_mma_wait(num_outstanding=7, deps=(acc0,))
             _dequantize_chunk(HALF + 0, code_smem, scale_smem, kv_smem.index(lo + 0), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc1,))
             _dequantize_chunk(HALF + 1, code_smem, scale_smem, kv_smem.index(lo + 1), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc2 = warpgroup_mma_wait(num_outstanding=5, deps=(acc2,))
             _dequantize_chunk(HALF + 2, code_smem, scale_smem, kv_smem.index(lo + 2), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc3 = warpgroup_mma_wait(num_outstanding=4, deps=(acc3,))
             _dequantize_chunk(HALF + 3, code_smem, scale_smem, kv_smem.index(lo + 3), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             # products 4-7 ran beside those four chunks; they must retire before the next softmax rewrites P
             acc4, acc5, acc6, acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc4, acc5, acc6, acc7))
             fence_async_shared()
@@ -611,7 +644,8 @@ def fp8_row_descriptors(rows: torch.Tensor, fmt: MLARowFormat) -> tuple:
 
 def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, page_table, kv_len, part_o, part_lse, out,
                                 qk_scale: float, max_tokens: int, layer_rows: int, page_size: int, layer_num: int,
-                                splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES) -> None:
+                                splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES,
+                                f16_values: bool = FP8_F16_VALUES) -> None:
     """Stage 1 on scaled fp8 rows (:class:`~unimem_compile.pool.specs.MLARowFormat`), grid ``(cdiv(H, block_h), B,
     splits)``: :func:`mla_decode_stage1_wgmma`'s products, softmax and outputs over the values
     ``bf16(fp32(code) * scale)``, the values :func:`.fp8.dequantize_rows` returns, so the result is the bf16
@@ -645,6 +679,19 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
     fp8 kernel. Slower than bf16 rows: what is left per tile is the conversion chain (docs/ops.md, "fp8 MLA
     rows").
 
+    ``f16_values=True`` (off by default until a GPU run times it) swaps that chain for a cheaper one with the
+    same products in f16: a code's bits become an f16's with integer ops only (:func:`.fp8.fp8_f16_bits`:
+    ``((b & 0x80) << 8) | ((b & 0x7F) << 7)``, exactly the e4m3fn value times 2^-8, e4m3fnuz's times 2^-7,
+    subnormals included, so one path serves both formats and ``hw_fp8`` is ignored), multiplied by the
+    tile's scale times 2^k rounded to f16, one f16 product per value (the values :func:`.fp8.dequantize_f16`
+    returns); the queries and probabilities go to f16 for the latent products (f16 has 3 more mantissa bits
+    than bf16), the rope's score product stays bf16 (its own queries buffer; both accumulate into the one
+    fp32 score tile). The result is then no longer the bf16 kernel's bit for bit: it is attention over values
+    within ``2^-10`` of the exact ``code x scale`` (bf16's: ``2^-8``). Range caveat: a dequantised latent above
+    f16's 65504 overflows to inf (bf16 holds up to 3.4e38), and tiles whose largest magnitude is below ~1.1e-4
+    keep fewer bits of their scale (an f16 subnormal); probabilities below 2^-24 of the running maximum flush
+    to zero.
+
     Args:
         q_nope, q_rope: ``[B, H, 512]`` / ``[B, H, 64]`` queries (bf16/fp16/fp32, last dim contiguous; rounded
             to bf16 for the products).
@@ -654,14 +701,17 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
             :func:`.fp8.fp8_decode` (e4m3fnuz: Triton has no e4m3fnuz type on sm_90). Both are exact.
         stages: ring depth; must be 2 (the keyword is ``mla_decode_triton``'s ``wgmma_stages``, which the bf16
             kernel takes from 1 up).
+        f16_values: the f16 chain above (default :data:`FP8_F16_VALUES`, False).
         The rest: as :func:`mla_decode_stage1_wgmma`.
 
     Raises:
-        ValueError: from :func:`fp8_row_descriptors`; ``stages`` other than 2.
+        ValueError: from :func:`fp8_row_descriptors`; ``stages`` other than 2; ``f16_values`` not a bool.
     """
     if stages != 2:
         raise ValueError(f"mla_decode_stage1_wgmma_fp8: the fp8 kernel needs stages == 2 (1 would deadlock, 3 do not "
                          f"fit in shared memory), got {stages}")
+    if not isinstance(f16_values, bool):
+        raise ValueError(f"mla_decode_stage1_wgmma_fp8: f16_values must be True or False, got {f16_values!r}")
     codes, rope, scales = fp8_row_descriptors(rows, fmt)
     B, H, R = q_nope.shape
     _mla_decode_wgmma_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
@@ -670,5 +720,6 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
         R=R, PS=page_size, L=layer_num, BLOCK_H=block_h, SPLIT=splits > 1, STAGES=stages,
         ROPE_COL=fmt.rope_offset // 2, SCALE_COL=fmt.scale_offset // 4, SCALE_TILE=FP8_TILE,
-        HW_FP8=hw_fp8, FNUZ=fp8.FNUZ[fmt.dtype], num_warps=4,
+        HW_FP8=hw_fp8, FNUZ=fp8.FNUZ[fmt.dtype], F16_VALUES=f16_values,
+        F16_POW2=float(2 ** fp8.F16_BITS_EXPONENT[fmt.dtype]), num_warps=4,
     )

@@ -21,7 +21,9 @@ The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both h
   values into shared memory and then runs the same products, softmax and merge in the same order;
 * against float64 attention over the dequantised values (the bound above: bf16 probabilities and output);
 * in a CUDA graph, as above;
-* ``kernel="auto"`` is it at page size 64 and the portable fp8 kernel at page size 16.
+* ``kernel="auto"`` is it at page size 64 and the portable fp8 kernel at page size 16;
+* its f16 dequantisation chain (``wgmma_fp8_f16=True``, off by default): against float64 attention over the
+  exact values, its values within ``2^-10`` of them (``fp8.dequantize_f16``), f16 probabilities, bf16 output.
 
 Run: ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_mla_decode_fp8_gpu.py``."""
 
@@ -200,3 +202,25 @@ def test_auto_takes_the_hopper_fp8_kernel_at_page_size_64_and_the_portable_one_e
         q_nope, q_rope = _queries(len(lens), 32, seed=14)
         got = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope))
         assert torch.equal(got, md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel=kernel)), (ps, kernel)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads, lens", WGMMA_CASES)
+def test_wgmma_fp8_f16_chain_equals_exact_attention_within_its_roundings(fmt, heads, lens):
+    rows = Rows(fmt, 64, lens, seed=heads + 7)
+    q_nope, q_rope = _queries(len(lens), heads, seed=15)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma", wgmma_fp8_f16=True)
+    assert bool(got.isfinite().all())
+    got = got.double().cpu()
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        if exact.shape[0] == 0:
+            assert not bool(got[b].any())
+            continue
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
+        vmax = float(exact[:, :R].abs().max())
+        # values within 2^-10 relative (their scores within d), f16 probabilities (2^-11), the bf16 output
+        d = SCALE * 2.0 ** -10 * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
+        bound = (2.0 ** -10 + 2.0 ** -11) * vmax + U * want.abs() + vmax * torch.expm1(2 * d)[:, None] + 1e-5 * vmax
+        assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
