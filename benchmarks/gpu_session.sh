@@ -119,7 +119,8 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
-    # 330 s held both Hopper fp8 schedules' 26 tests (thirteenth session); one schedule is left: 18 tests
+    # 330 s held both Hopper fp8 schedules' 26 tests (thirteenth session); one schedule is left, with its f16
+    # chain, fp32-query and auto checks: 24 tests
     fp8_decode_tests) run_step fp8_decode_tests 330 $PYTEST tests/gpu/test_mla_decode_fp8_gpu.py ;;
     fp8_tests) run_step fp8_tests 300 $PYTEST -s tests/gpu/test_fp8_gpu.py ;;
     bench_mla_write_fp8) run_step bench_mla_write_fp8 90 python3 -P benchmarks/bench_mla_write.py --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;

@@ -687,8 +687,8 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
     returns); the queries and probabilities go to f16 for the latent products (f16 has 3 more mantissa bits
     than bf16), the rope's score product stays bf16 (its own queries buffer; both accumulate into the one
     fp32 score tile). The result is then no longer the bf16 kernel's bit for bit: it is attention over values
-    within ``2^-10`` of the exact ``code x scale`` (bf16's: ``2^-8``). Range caveat: a dequantised latent above
-    f16's 65504 overflows to inf (bf16 holds up to 3.4e38), and tiles whose largest magnitude is below ~1.1e-4
+    within ``2^-10`` of the exact ``code x scale`` (bf16's: ``2^-8``). Range caveat: a dequantised latent or an
+    absorbed query above f16's 65504 overflows to inf (bf16 holds up to 3.4e38), and tiles whose largest magnitude is below ~1.1e-4
     keep fewer bits of their scale (an f16 subnormal); probabilities below 2^-24 of the running maximum flush
     to zero.
 

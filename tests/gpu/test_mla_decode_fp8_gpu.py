@@ -11,7 +11,10 @@ The portable fp8 split kernel (``kernel="portable"``; page sizes 64 and 16):
   ``1.1 u (max |v| + |want|)`` plus ``1e-5 max |v|`` for fp32 sums;
 * against ``mla_decode_reference`` (bf16-rounded values, fp32 softmax) loosely (the two bounds added);
 * captured in a CUDA graph (as the decode runner replays it): a replay after new queries and lengths
-  equals the eager call bit for bit.
+  equals the eager call bit for bit;
+* with fp32 queries (an fp32 model with fp8 KV: fp32 products, the tiles ``portable_tiles`` fits into the
+  H200's shared memory, 64 tokens x 1 stage at page size 64, where 2 stages failed to launch): within
+  ``1e-4 max |v|`` of float64 attention over the exact values.
 
 The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings; what
 ``kernel="auto"`` runs on an H100/H200 at page sizes that are multiples of 64):
@@ -40,6 +43,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("run with TRITON_INTERPRET=0: these tests check the compiled kernels", allow_module_level=True)
 
 from unimem_compile.ops import fp8  # noqa: E402
+from unimem_compile.ops.geometry import MLAGeometry  # noqa: E402
 from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool  # noqa: E402
 
 md = importlib.import_module("unimem_compile.ops.mla_decode")
@@ -118,6 +122,24 @@ def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, he
         d = SCALE * U * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
         ref_bound = bound + vmax * (U + torch.expm1(2 * d))[:, None] + 2 ** -8 * ref[b].abs()  # ref's bf16 output
         assert bool(((got[b] - ref[b]).abs() <= ref_bound).all()), b
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_kernel_with_fp32_queries_fits_the_shared_memory_and_equals_exact_attention(fmt):
+    rows = Rows(fmt, 64, [3000, 1, 777, 64], seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    q_nope = torch.randn(4, 32, R, device="cuda", generator=g)
+    q_rope = torch.randn(4, 32, DR, device="cuda", generator=g)
+    limit = md.device_smem_limit(q_nope.device)
+    if limit == 232448:  # an H100/H200: one stage fewer than the default 2
+        assert md.portable_tiles(MLAGeometry(*rows.geometry), torch.float32, 32, limit) == (64, 1)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="portable").double().cpu()
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
+        vmax = float(exact[:, :R].abs().max())
+        assert float((got[b] - want).abs().max()) <= 1e-4 * vmax, b
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
