@@ -15,8 +15,8 @@ there (it sets UNIMEM_MLA_DECODE_KERNEL for the run). The JSON records which one
 one call launches.
 
 ``--kv-dtype fp8_e4m3`` (or ``fp8_e4m3fnuz``) times the same grid on scaled fp8 rows (656 bytes per token:
-ops/fp8.py; the op's fp8 kernel for ``--kernel``: auto is the portable fp8 split kernel unless
-``mla_decode.FP8_AUTO_WGMMA`` is switched on, ``--kernel wgmma`` the Hopper fp8 kernel), the bytes counted with
+ops/fp8.py; the op's fp8 kernel for ``--kernel``: auto and wgmma are the Hopper fp8 kernel on an H200
+(``mla_decode.FP8_AUTO_WGMMA``), ``--kernel portable`` the portable fp8 split kernel), the bytes counted with
 the fp8 row, and at every point the bf16 op (the same ``--kernel`` choice: auto and wgmma are the Hopper bf16
 kernel on an H200) on a bf16 arena of the same geometry, timed the same way in the same run: ``bf16_ms`` and ``speedup_vs_bf16`` (bf16 time / fp8 time = the tokens/s ratio). ``fp8_targets``
 checks issue 22's: at batch >= 64 and context >= 16k at least 1.6x (floor 1.25x), elsewhere at least 1x.
@@ -30,18 +30,24 @@ tile settings (``sweep_b64_c16384``; the defaults were chosen without a GPU meas
 token): the bf16 kernel's by default, the fp8 kernel's (dequantising included) with ``--kv-dtype``
 (issue 22: 1.6x the bf16 speed at 4 TB/s needs about 400 TFLOP/s while dequantising).
 
-``--fp8-wgmma-ab`` times the Hopper fp8 kernel's forms against each other instead (``variant=`` of
-ops/mla_decode_hopper.py's ``mla_decode_stage1_wgmma_fp8``, :data:`FP8_WGMMA_VARIANTS`: "serial", the default,
-and "overlap", not yet run on a GPU before this mode), in one run: at :data:`FP8_QUICK_POINTS` each form and
-the bf16 Hopper kernel (CUDA-graph replay, L2 flushed; ``speedup_vs_bf16`` and issue 22's ``fp8_targets`` per
-form; ``outputs_equal``: the forms' outputs bit for bit), then each form on the L2-resident rows (TFLOP/s).
+``--fp8-wgmma-ab`` times the fp8 kernels against each other instead (:data:`FP8_AB_FORMS`: the Hopper fp8
+kernel, ``kernel="wgmma"``, and the portable fp8 split kernel), in one run: at :data:`FP8_QUICK_POINTS` each
+and the bf16 Hopper kernel (CUDA-graph replay, L2 flushed; ``speedup_vs_bf16`` and issue 22's ``fp8_targets``
+per kernel; ``max_abs_diff_vs_wgmma``: the portable kernel attends over the unrounded ``code x scale``
+values, the Hopper one over their bf16 roundings, so they differ by that), then each on the L2-resident rows
+(TFLOP/s). (Its first run, 2026-12-02, timed the Hopper fp8 kernel's two schedules instead: the one kept,
+1.57-1.62x the other; results/mla_decode_2026-12-02_fp8_wgmma_ab.json.)
+
+``--fp8-f16-ab`` is the same A/B for the Hopper fp8 kernel's two dequantisation chains (:data:`FP8_F16_AB_FORMS`:
+the default bf16 chain and ``wgmma_fp8_f16=True``, the f16 one, off by default until this run times it;
+``max_abs_diff_vs_wgmma`` is the f16 chain's rounding difference, not zero).
 
 ``--out`` names a JSON file, or a folder: then ``mla_decode_<date>[_fp8|_fp8_fnuz|_l2|_l2_fp8].json`` in
 it, the names of record (docs/design.md section 8); an fp8 run with ``--kernel wgmma`` or ``portable`` adds
 the kernel's name (``mla_decode_<date>_fp8_wgmma.json``, ``_l2_fp8_wgmma``), so it sits beside the auto run.
 
 usage: python benchmarks/bench_mla_decode.py [--out results.json|folder] [--quick] [--kernel auto|portable|wgmma]
-           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only] [--fp8-wgmma-ab]
+           [--kv-dtype bf16|fp8_e4m3|fp8_e4m3fnuz] [--l2-ceiling] [--fp8-sweep-only] [--fp8-wgmma-ab] [--fp8-f16-ab]
 """
 
 from __future__ import annotations
@@ -232,7 +238,7 @@ def kernel_name(choice: str, kv_dtype: torch.dtype = torch.bfloat16) -> str:
         return choice
     fits = md.wgmma_supported(torch.device("cuda"), kv_dtype, 64, R, DR)
     if kv_dtype != torch.bfloat16 and not md.FP8_AUTO_WGMMA:
-        fits = False  # auto keeps fp8 rows on the portable kernel until the switch is flipped
+        fits = False  # auto keeps fp8 rows on the portable kernel while the switch is off
     return "wgmma" if fits else "portable"
 
 
@@ -326,51 +332,56 @@ def fp8_targets(points: list[dict]) -> dict:
     return out
 
 
-#: the Hopper fp8 kernel's forms ``--fp8-wgmma-ab`` times against each other
-FP8_WGMMA_VARIANTS = mla_decode_hopper.FP8_WGMMA_VARIANTS
+#: ``--fp8-wgmma-ab``'s forms: name -> ``mla_decode_triton`` keywords, on e4m3fn rows beside the bf16 Hopper kernel
+FP8_AB_FORMS = {"wgmma": {"kernel": "wgmma"}, "portable": {"kernel": "portable"}}
+#: ``--fp8-f16-ab``'s: the Hopper fp8 kernel's bf16 dequantisation chain (the default) and its f16 one
+FP8_F16_AB_FORMS = {"wgmma": {"kernel": "wgmma"}, "wgmma_f16": {"kernel": "wgmma", "wgmma_fp8_f16": True}}
 
 
-def fp8_wgmma_ab(variants=FP8_WGMMA_VARIANTS, points=FP8_QUICK_POINTS) -> dict:
-    """The Hopper fp8 kernel's ``variants`` on e4m3fn rows and the bf16 Hopper kernel at ``points`` (CUDA-graph
-    replay, L2 flushed), the forms' outputs compared bit for bit, then each form on L2-resident rows."""
+def fp8_ab(forms=FP8_AB_FORMS, points=FP8_QUICK_POINTS) -> dict:
+    """Each of ``forms`` (name -> ``mla_decode_triton`` keywords) on e4m3fn rows and the bf16 Hopper kernel at
+    ``points`` (CUDA-graph replay, L2 flushed; ``speedup_vs_bf16``, issue 22's ``fp8_targets`` per form), each
+    form's largest difference from the first form's output (``max_abs_diff_vs_<first>``; 0.0: equal bit for
+    bit), then each form on L2-resident rows (TFLOP/s)."""
     sm_scale = (DN + DR) ** -0.5
+    names = list(forms)
     most = max(b * c for b, c in points)
     setup, base = Setup(most, kv_dtype=torch.float8_e4m3fn), Setup(most, seed=1)
-    out = {"variants": list(variants), "points": [], "l2_points": []}
-    print(f"fp8 wgmma forms {list(variants)} beside the bf16 wgmma kernel (us, speed vs bf16):")
+    out = {"forms": forms, "points": [], "l2_points": []}
+    print(f"fp8 forms {names} beside the bf16 wgmma kernel (us, speed vs bf16):")
     for batch, context in points:
         a = setup.args(*setup.inputs(batch, context), sm_scale)
         b_args = base.args(*base.inputs(batch, context), sm_scale)
         bf16_ms = bench_graph(functools.partial(md.mla_decode_triton, *b_args, kernel="wgmma"))
         point = {"batch": batch, "context": context, "bf16_ms": bf16_ms}
         outputs = {}
-        for v in variants:
-            fn = functools.partial(md.mla_decode_triton, *a, kernel="wgmma", wgmma_fp8_variant=v)
-            outputs[v] = fn()
+        for name in names:
+            fn = functools.partial(md.mla_decode_triton, *a, **forms[name])
+            outputs[name] = fn().float()
             ms = bench_graph(fn)
-            point[v] = {"ms": ms, "tbs": effective_bytes(batch, context, setup.fmt.row_bytes) / ms / 1e9,
-                        "speedup_vs_bf16": bf16_ms / ms}
-        first = outputs[variants[0]]
-        point["outputs_equal"] = all(torch.equal(first, o) for o in outputs.values())
+            point[name] = {"ms": ms, "tbs": effective_bytes(batch, context, setup.fmt.row_bytes) / ms / 1e9,
+                           "speedup_vs_bf16": bf16_ms / ms}
+        first = outputs[names[0]]
+        point[f"max_abs_diff_vs_{names[0]}"] = {n: float((o - first).abs().max()) for n, o in outputs.items()}
         out["points"].append(point)
         print(f"  b{batch} c{context}: bf16 {bf16_ms * 1e3:.1f}  " + "  ".join(
-            f"{v} {point[v]['ms'] * 1e3:.1f} ({point[v]['speedup_vs_bf16']:.2f}x)" for v in variants)
-            + f"  equal {point['outputs_equal']}")
-    out["fp8_targets"] = {v: fp8_targets([{"batch": p["batch"], "context": p["context"],
-                                           "speedup_vs_bf16": p[v]["speedup_vs_bf16"]} for p in out["points"]])
-                          for v in variants}
+            f"{n} {point[n]['ms'] * 1e3:.1f} ({point[n]['speedup_vs_bf16']:.2f}x)" for n in names)
+            + f"  max |diff| vs {names[0]} {point[f'max_abs_diff_vs_{names[0]}']}")
+    out["fp8_targets"] = {n: fp8_targets([{"batch": p["batch"], "context": p["context"],
+                                           "speedup_vs_bf16": p[n]["speedup_vs_bf16"]} for p in out["points"]])
+                          for n in names}
     print("fp8 targets:", json.dumps(out["fp8_targets"]))
     del setup, base
     l2 = Setup(max(b * c for b, c in L2_POINTS), kv_dtype=torch.float8_e4m3fn)
     for batch, context in L2_POINTS:
         a = l2.args(*l2.inputs(batch, context), sm_scale)
         point = {"batch": batch, "context": context}
-        for v in variants:
-            ms = hot_ms(functools.partial(md.mla_decode_triton, *a, kernel="wgmma", wgmma_fp8_variant=v))
-            point[v] = {"graph_ms_hot": ms, "tflops": batch * context * flops_per_token() / ms / 1e9}
+        for name in names:
+            ms = hot_ms(functools.partial(md.mla_decode_triton, *a, **forms[name]))
+            point[name] = {"graph_ms_hot": ms, "tflops": batch * context * flops_per_token() / ms / 1e9}
         out["l2_points"].append(point)
         print(f"  L2-resident b{batch} c{context}: " + "  ".join(
-            f"{v} {point[v]['graph_ms_hot'] * 1e3:.1f} us {point[v]['tflops']:.1f} TFLOP/s" for v in variants))
+            f"{n} {point[n]['graph_ms_hot'] * 1e3:.1f} us {point[n]['tflops']:.1f} TFLOP/s" for n in names))
     return out
 
 
@@ -400,15 +411,19 @@ def main() -> None:
     ap.add_argument("--l2-ceiling", action="store_true",
                     help="only the compute-ceiling probe: the kernel on L2-resident rows (bf16, or --kv-dtype's), "
                          "in TFLOP/s")
+    ap.add_argument("--fp8-f16-ab", action="store_true",
+                    help="only the Hopper fp8 kernel's bf16 and f16 dequantisation chains side by side with the bf16 "
+                         "Hopper kernel at the --quick fp8 points, and on L2-resident rows")
     ap.add_argument("--fp8-wgmma-ab", action="store_true",
-                    help="only the Hopper fp8 kernel's forms (serial, overlap) side by side with the bf16 one at the "
-                         "--quick fp8 points, and on L2-resident rows")
+                    help="only the Hopper fp8 kernel and the portable fp8 kernel side by side with the bf16 Hopper "
+                         "kernel at the --quick fp8 points, and on L2-resident rows")
     args = ap.parse_args()
     os.environ[env.MLA_DECODE_KERNEL] = args.kernel
     kv_dtype = kv_dtype_of(args.kv_dtype)
-    if args.fp8_wgmma_ab:
+    if args.fp8_wgmma_ab or args.fp8_f16_ab:
+        key, forms = ("fp8_f16_ab", FP8_F16_AB_FORMS) if args.fp8_f16_ab else ("fp8_wgmma_ab", FP8_AB_FORMS)
         result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "triton": triton.__version__, "fp8_wgmma_ab": fp8_wgmma_ab()}
+                  "torch": torch.__version__, "triton": triton.__version__, key: fp8_ab(forms)}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

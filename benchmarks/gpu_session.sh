@@ -25,7 +25,8 @@
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
-#          bench_mla_decode_l2_fp8 bench_mla_decode_fp8_wgmma bench_mla_decode_l2_fp8_wgmma bench_mla_decode_fp8_wgmma_ab bench_mla_decode_fp8_sweep demo_real_fp8 bench_generate_fp8 (FP8_DECODE_GRID:
+#          bench_mla_decode_l2_fp8 bench_mla_decode_fp8_wgmma bench_mla_decode_l2_fp8_wgmma bench_mla_decode_fp8_wgmma_ab bench_mla_decode_fp8_f16_ab
+#          bench_mla_decode_fp8_sweep demo_real_fp8 bench_generate_fp8 (FP8_DECODE_GRID:
 #          bench_mla_decode_fp8's grid arguments, default --quick; FP8_DECODE_GRID=" " times the full grid)
 #          bench_serving_http (the stationary trace over HTTP vs in-process on the 8-layer model; HTTP_SCALE (0.05),
 #          HTTP_DURATION (60 s of arrivals), HTTP_RATE (4/s) shrink or grow it; needs the serve dependencies: carry
@@ -138,22 +139,29 @@ for s in "$@"; do
                 --out "$OUT/json/tp2.json" --baseline "$OUT/json/tp1.json" --deadline-s "$(( ${TP_LIMIT:-290} - 20 ))" ;;
     tp_example) run_step tp_example 120 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                   python3 -P -m torch.distributed.run --nproc-per-node 2 examples/generate_tp.py --device cuda --json ;;
-    # 240 s held the 16 tests of one Hopper fp8 form; both forms add 10 tests and their compiles
+    # 330 s held both Hopper fp8 schedules' 26 tests (thirteenth session); one schedule is left, with its f16
+    # chain, fp32-query and auto checks: 24 tests
     fp8_decode_tests) run_step fp8_decode_tests 330 $PYTEST tests/gpu/test_mla_decode_fp8_gpu.py ;;
     fp8_tests) run_step fp8_tests 300 $PYTEST -s tests/gpu/test_fp8_gpu.py ;;
     bench_mla_write_fp8) run_step bench_mla_write_fp8 90 python3 -P benchmarks/bench_mla_write.py --kv-dtype fp8_e4m3 --out "$OUT/json/" ;;
     # fp8 and bf16 side by side per point; --quick: the issue's points (batch >= 64, context >= 16k) and two short ones
     bench_mla_decode_fp8) run_step bench_mla_decode_fp8 200 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 ${FP8_DECODE_GRID:---quick} --out "$OUT/json/" ;;
     # the fp8 kernel's tile settings at batch 64, context 16k (each compiles once); writes mla_decode_sweep_fp8.json
-    # the Hopper fp8 kernel (kernel="wgmma") beside the bf16 one: writes mla_decode_<date>_fp8_wgmma.json
+    # the Hopper fp8 kernel by name (kernel="wgmma", what auto runs on an H200) beside the bf16 one:
+    # writes mla_decode_<date>_fp8_wgmma.json
     bench_mla_decode_fp8_wgmma) run_step bench_mla_decode_fp8_wgmma 200 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 \
                       --kernel wgmma ${FP8_DECODE_GRID:---quick} --out "$OUT/json/" ;;
     bench_mla_decode_l2_fp8_wgmma) run_step bench_mla_decode_l2_fp8_wgmma 60 python3 -P benchmarks/bench_mla_decode.py --l2-ceiling \
                       --kv-dtype fp8_e4m3 --kernel wgmma --out "$OUT/json/" ;;
-    # the Hopper fp8 kernel's two forms (serial, the default; overlap) and the bf16 one at the --quick fp8 points,
-    # then on L2-resident rows: answers whether the overlap form is faster (and equal)
+    # the Hopper fp8 kernel, the portable fp8 kernel and the bf16 Hopper kernel at the --quick fp8 points, then
+    # on L2-resident rows (the first run, thirteenth session, timed the Hopper fp8 kernel's two schedules: the
+    # one kept was 1.57-1.62x the other)
     bench_mla_decode_fp8_wgmma_ab) run_step bench_mla_decode_fp8_wgmma_ab 150 python3 -P benchmarks/bench_mla_decode.py \
                       --fp8-wgmma-ab --out "$OUT/json/mla_decode_fp8_wgmma_ab.json" ;;
+    # the Hopper fp8 kernel's bf16 dequantisation chain (the default) against its f16 one (wgmma_fp8_f16=True,
+    # off until this step times it) and the bf16 kernel, same points; decides mla_decode_hopper.FP8_F16_VALUES
+    bench_mla_decode_fp8_f16_ab) run_step bench_mla_decode_fp8_f16_ab 150 python3 -P benchmarks/bench_mla_decode.py \
+                      --fp8-f16-ab --out "$OUT/json/mla_decode_fp8_f16_ab.json" ;;
     bench_mla_decode_fp8_sweep) run_step bench_mla_decode_fp8_sweep 300 python3 -P benchmarks/bench_mla_decode.py --kv-dtype fp8_e4m3 \
                       --fp8-sweep-only --out "$OUT/json/mla_decode_sweep_fp8.json" ;;
     bench_mla_decode_l2) run_step bench_mla_decode_l2 60 python3 -P benchmarks/bench_mla_decode.py --l2-ceiling --out "$OUT/json/" ;;

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from unimem_compile.pool.specs import FP8_KV_DTYPES, FP8_ROW_DTYPE, FP8_TILE, MLARowFormat
 
-__all__ = ["FNUZ", "fp8_encode", "fp8_decode", "fp8_nanmax", "to_bf16_rne", "quantize_rows", "dequantize_rows",
-           "tile_scales"]
+__all__ = ["FNUZ", "F16_BITS_EXPONENT", "fp8_encode", "fp8_decode", "fp8_f16_bits", "fp8_nanmax", "to_bf16_rne",
+           "quantize_rows", "dequantize_rows", "codes_as_f16", "dequantize_f16", "tile_scales"]
 
 #: fp8 KV dtype -> whether it is the FNUZ variant (the ``FNUZ`` constexpr of the Triton helpers).
 FNUZ = {dtype: "fnuz" in str(dtype) for dtype in FP8_KV_DTYPES}
@@ -103,6 +103,25 @@ def fp8_decode(code, FNUZ: tl.constexpr):
     return tl.where(nan, float("nan"), value)
 
 
+#: fp8 KV dtype -> k such that :func:`fp8_f16_bits` of a code is its value times ``2^-k`` (the difference of the
+#: exponent biases: f16's 15 less e4m3fn's 7, or less e4m3fnuz's 8): the kernel folds ``2^k`` into the tile's
+#: scale.
+F16_BITS_EXPONENT = {torch.float8_e4m3fn: 8, torch.float8_e4m3fnuz: 7}
+
+
+@triton.jit
+def fp8_f16_bits(code):
+    """e4m3 codes (uint8 or any integer type holding [0, 255]) -> f16, with integer ops only: ``((b & 0x80) << 8)
+    | ((b & 0x7F) << 7)``, computed as ``(b + (b & 0x80)) << 7`` (an AND, an ADD, a shift), the sign moved to
+    f16's sign bit, the 4 exponent and 3 mantissa bits to the top of f16's 5 exponent and 10 mantissa bits. That f16 is exactly the code's value times ``2^-k`` (:data:`F16_BITS_EXPONENT`: 8 for
+    e4m3fn, 7 for e4m3fnuz: only the exponent bias differs), subnormal codes included (e4m3's subnormals land
+    on f16's), so one integer path serves both formats with no conversion instruction. The NaN codes are not
+    NaN here (e4m3fn's 0x7F / 0xFF read as +-1.875, e4m3fnuz's 0x80 as -0): the write never stores them for a
+    finite tile (it saturates to the format's max), and a non-finite tile's scale is non-finite anyway."""
+    c = code.to(tl.int16)
+    return ((c + (c & 0x80)) << 7).to(tl.float16, bitcast=True)
+
+
 @triton.jit
 def to_bf16_rne(x):
     """fp32 -> bf16, round to nearest even, with integer ops (what ``cvt.rn.bf16.f32`` does on the GPU: the
@@ -159,3 +178,27 @@ def dequantize_rows(rows: torch.Tensor, fmt: MLARowFormat) -> torch.Tensor:
     latent = (codes * scale.repeat_interleave(FP8_TILE, dim=-1)[..., :r]).to(FP8_ROW_DTYPE)
     rope = rows[..., fmt.rope_offset: fmt.rope_offset + 2 * dr].view(FP8_ROW_DTYPE)
     return torch.cat([latent, rope], dim=-1)
+
+
+def codes_as_f16(codes: torch.Tensor) -> torch.Tensor:
+    """Plain-torch :func:`fp8_f16_bits`: uint8 codes ``[...]`` -> f16 ``[...]``, each the code's value times
+    ``2^-F16_BITS_EXPONENT[fmt]`` (the NaN codes excepted, as there)."""
+    c = codes.to(torch.int16)
+    return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).view(torch.float16)
+
+
+def dequantize_f16(rows: torch.Tensor, fmt: MLARowFormat) -> torch.Tensor:
+    """Plain-torch values of fp8 rows as the Hopper fp8 kernel's f16 chain computes them (``f16_values``):
+    uint8 ``[..., fmt.row_bytes]`` -> f16 ``[..., R]``, latent value ``i`` = ``f16(codes_as_f16(code_i) *
+    f16(scale[i // 128] * 2^k))`` (both factors f16, one f16 product, rounded to nearest even).
+
+    Against the exact ``code x scale``: the scale's rounding to f16 (2^-11 relative while ``scale * 2^k`` is a
+    normal f16, at least 2^-14: tiles whose largest magnitude is above 448 x 2^-22 = 1.07e-4 for e4m3fn,
+    240 x 2^-21 = 1.14e-4 for e4m3fnuz; below, the scale keeps fewer bits) and the product's (2^-11), so within ``2^-10 (1 + 2^-11)`` of the value, against bf16's 2^-8 for
+    :func:`dequantize_rows`; a dequantised latent above f16's 65504 overflows to inf (a tile whose largest
+    magnitude is above 65504; bf16 would hold it)."""
+    r = fmt.kv_lora_rank
+    rows = rows.contiguous()
+    scale = rows[..., fmt.scale_offset: fmt.rope_offset].view(torch.float32)
+    scale16 = (scale * 2.0 ** F16_BITS_EXPONENT[fmt.dtype]).to(torch.float16)
+    return codes_as_f16(rows[..., :r]) * scale16.repeat_interleave(FP8_TILE, dim=-1)[..., :r]

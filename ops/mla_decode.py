@@ -20,7 +20,9 @@ Scaled fp8 rows (an fp8 ``kv_dtype``, :class:`~unimem_compile.pool.specs.MLARowF
 of their own (:func:`_mla_decode_split_fp8_kernel`: the same grid, tiles, tile loop, online softmax and
 merge, through the helpers both split kernels call): it reads the codes, the fp32 scale of each 128-value
 tile and the bf16 rope, converts the codes exactly and applies the scales after the products they factor
-out of, never rounding a dequantised value.
+out of, never rounding a dequantised value. On an sm_90 GPU at Kimi-Linear's / DeepSeek's geometry fp8 rows
+take the Hopper fp8 kernel instead (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`, about 2x the
+portable one); both are slower than bf16 rows today (fp8 KV buys 1.76x the tokens, not speed).
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_ml
 from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
-from .mla_decode_hopper import (FP8_WGMMA_VARIANT, FP8_WGMMA_VARIANTS, WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES,
-                                disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
+from .mla_decode_hopper import (FP8_F16_VALUES, WGMMA_BLOCK_N, WGMMA_EARLY_REFILL, WGMMA_STAGES, disable_wgmma, mla_decode_stage1_wgmma, mla_decode_stage1_wgmma_fp8, wgmma_supported)
 
 # The op object ``mla_decode`` is reached as ``torch.ops.unimem.mla_decode`` (or through this module):
 # exporting it from the package would shadow the module ``unimem_compile.ops.mla_decode``.
-__all__ = ["mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits", "fp8_hw_conversion"]
+__all__ = ["mla_decode_reference", "mla_decode_triton", "mla_decode_num_splits", "fp8_hw_conversion",
+           "portable_smem_bytes", "portable_tiles", "device_smem_limit"]
 
 #: Resident stage-1 blocks per SM that the default split count fills (one wave): measured on an H200
 #: with BLOCK_N 64, 4 warps, 2 stages (benchmarks/results/mla_decode_2026-11-29.json).
@@ -61,10 +63,11 @@ FP8_MAX_SCALE_TILES = 4
 #: Stage-1 forms: "wgmma" (Hopper, TMA + wgmma, :mod:`.mla_decode_hopper`) where it applies, else "portable".
 KERNELS = ("auto", "portable", "wgmma")
 #: Whether ``kernel="auto"`` takes the Hopper kernel for fp8 rows too (:func:`~.mla_decode_hopper.
-#: mla_decode_stage1_wgmma_fp8`). False until a GPU run has checked it (tests/gpu/test_mla_decode_fp8_gpu.py)
-#: and timed it faster than the portable fp8 kernel (``bench_mla_decode.py --kv-dtype fp8_e4m3 --kernel
-#: wgmma`` beside the ``--kernel auto`` run); ``kernel="wgmma"`` runs it either way.
-FP8_AUTO_WGMMA = False
+#: mla_decode_stage1_wgmma_fp8`) where it applies: True since the thirteenth session's H200 run, where it
+#: passed the GPU tests (tests/gpu/test_mla_decode_fp8_gpu.py) and measured 0.65-0.76x the bf16 kernel, about
+#: 2x the portable fp8 kernel's 0.32-0.46x (benchmarks/results/mla_decode_2026-12-02_fp8_wgmma_ab.json,
+#: mla_decode_2026-12-01_fp8.json). False sends fp8 rows to the portable fp8 kernel unless ``kernel="wgmma"``.
+FP8_AUTO_WGMMA = True
 
 _LOG2E = 1.4426950408889634
 
@@ -474,6 +477,95 @@ def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size:
     return max(1, min(tiles, (blocks_per_sm * sms) // max(1, batch * groups)))
 
 
+# ---------------------------------------------------------------------------------------------- portable tiles
+#: Bytes a compile adds beside the tiles :func:`portable_smem_bytes` counts (barriers, alignment): the sm_90
+#: compiles of both split kernels came within 128 bytes of the counted tiles or under them
+#: (tests/ops/test_mla_decode_smem.py).
+SMEM_SLACK = 1024
+
+
+def portable_smem_bytes(g: MLAGeometry, q_dtype: torch.dtype, block_h: int, block_n: int, num_stages: int) -> int:
+    """Upper estimate of the shared memory (bytes per program) of the portable split kernel for this geometry,
+    query dtype and tile: what Triton keeps there, counted from the tile sizes at the kernel's padded widths
+    (latent ``W_R`` = next power of two of R, per 128-value scale tile for fp8 rows; rope ``W_Dr`` = next
+    power of two of Dr, at least 16; ``W = W_R + W_Dr``) in the products' dtype (``dot``: the KV dtype's size
+    for dense rows, 4 for fp8 rows with fp32 queries, else 2):
+
+    * the loads in flight: ``num_stages - 1`` tiles of ``block_n`` rows as the kernel loads them (dense: ``W``
+      elements; fp8: ``W_R`` codes, 4 bytes per scale, ``2 W_Dr`` rope bytes); a dense kernel's products read
+      their operands from that buffer, so it counts at least one tile;
+    * the operands Triton stages for the products: the queries ``[block_h, W]`` and the probabilities
+      ``[block_h, block_n]``; for fp8 rows also the converted codes, every tile's ``[block_n, W]`` for fp32
+      queries (fp32 FMA products keep each converted tile until the value product) and one 128-column
+      ``[block_n, 128]`` tile for 16-bit ones (tensor-core products convert one scale tile at a time);
+    * :data:`SMEM_SLACK`.
+
+    Checked against fifteen sm_90 compiles (Triton 3.9, 16 or 32 heads, 32 or 64 tokens, 1-3 stages, R 512, Dr
+    64; Triton 3.6 on the H200 gave the same 255,104 bytes for the one config both ran): 896-1,024 bytes above
+    them for dense rows, 9-17 KiB above for fp8 rows with fp32 queries and 35-73 KiB above with 16-bit ones
+    (Triton's allocator shares those operand copies more than counted here).
+    """
+    w_r, w_dr = max(16, triton.next_power_of_2(g.kv_lora_rank)), max(16, triton.next_power_of_2(g.qk_rope_head_dim))
+    if g.quantized:
+        tile_c = min(FP8_TILE, w_r)
+        w_r = g.row_format.num_scales * tile_c
+        dot = 4 if q_dtype == torch.float32 else 2
+        staged = (num_stages - 1) * block_n * (w_r + 4 * g.row_format.num_scales + 2 * w_dr)
+        converted = block_n * (w_r + w_dr) * dot if dot == 4 else block_n * tile_c * dot
+    else:
+        dot = g.kv_dtype.itemsize
+        staged = max(num_stages - 1, 1) * block_n * (w_r + w_dr) * dot
+        converted = 0
+    return staged + converted + block_h * (w_r + w_dr) * dot + block_h * block_n * dot + SMEM_SLACK
+
+
+def portable_tiles(g: MLAGeometry, q_dtype: torch.dtype, block_h: int, smem_limit: int | None, *,
+                   block_n: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+    """``(block_n, num_stages)`` of the portable split kernel: those given, else the measured defaults (64 and 2
+    when the page size is a multiple of 64, else 32 and 3; a given ``block_n`` other than 64 gets 3 stages),
+    then, while :func:`portable_smem_bytes` exceeds ``smem_limit`` (bytes per block; None: no limit, the
+    interpreter), one stage fewer down to 1 (a default ``num_stages`` only), then half the tokens per tile down
+    to 16 (a default ``block_n`` only) with the stages started again. Returns the smallest tried when nothing
+    fits (Triton then raises its OutOfResources with the numbers). Only static sizes: no recompile as a
+    context grows.
+
+    An H200 (232,448 bytes) changes one default: fp8 rows with fp32 queries at page sizes that are multiples of
+    64 run 64 tokens x 1 stage (estimated 230,400; compiled 213,120) instead of 64 x 2 (compiled 255,104)."""
+    bn_default = block_n is None
+    ns_default = num_stages is None
+    bn = block_n if block_n is not None else 64 if g.page_size % 64 == 0 else 32
+    while True:
+        ns = num_stages if not ns_default else 2 if g.page_size % 64 == 0 and bn == 64 else 3
+        while True:
+            if smem_limit is None or portable_smem_bytes(g, q_dtype, block_h, bn, ns) <= smem_limit:
+                return bn, ns
+            if not ns_default or ns == 1:
+                break
+            ns -= 1
+        if not bn_default or bn == 16:
+            return bn, ns
+        bn //= 2
+
+
+def device_smem_limit(device: torch.device) -> int | None:
+    """Shared memory one block may opt into on ``device`` (bytes; 232,448 on an H100/H200), None for the
+    interpreter (CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    return _smem_optin(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _smem_optin(device_index: int) -> int | None:
+    n = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", None)
+    if n:
+        return int(n)
+    try:  # the number Triton itself checks a launch against
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - no way to ask: keep the defaults
+        return None
+
+
 def fp8_hw_conversion(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether the fp8 split kernel converts ``kv_dtype``'s codes with Triton's fp8 type (``tl.float8e4nv``:
     one ``cvt`` per pair of codes on the GPU) rather than the integer decoder :func:`.fp8.fp8_decode`: for
@@ -509,7 +601,7 @@ def mla_decode_triton(
     kv_len: torch.Tensor, sm_scale: float, *geometry, num_splits: int | None = None, block_n: int | None = None,
     block_h: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     partial_dtype: torch.dtype | None = None, kernel: str | None = None, wgmma_stages: int = WGMMA_STAGES,
-    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, wgmma_fp8_variant: str = FP8_WGMMA_VARIANT,
+    wgmma_early_refill: bool = WGMMA_EARLY_REFILL, wgmma_fp8_f16: bool = FP8_F16_VALUES,
     merge_block_r: int | None = None, merge_block_s: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_decode` (checks, then one split kernel and, if split, one merge kernel).
@@ -519,7 +611,8 @@ def mla_decode_triton(
         num_splits: splits per row (default :func:`mla_decode_num_splits`, from static sizes only).
         block_n, num_stages: tokens per tile (a power of two >= 16) and pipeline depth; default 64 and 2
             when the page size is a multiple of 64 (a tile is one page run), else 32 and 3 (per-token page
-            lookups), the fastest measured on an H200 at page sizes 64 and 1;
+            lookups), the fastest measured on an H200 at page sizes 64 and 1, fitted to the device's shared
+            memory by :func:`portable_tiles` (fp8 rows with fp32 queries: 64 tokens, 1 stage on an H200);
         block_h: heads per program (power of two >= 16, default ``min(32, next_pow2(H))``);
         num_warps: Triton launch option;
         partial_dtype: dtype of the per-split normalised partial outputs in the scratch buffer (fp32, bf16
@@ -529,25 +622,26 @@ def mla_decode_triton(
             environment variable, :func:`unimem_compile.env.mla_decode_kernel`, else "auto"). "auto" takes
             the Hopper TMA + wgmma kernel where :func:`~.mla_decode_hopper.wgmma_supported` says it applies
             (sm_90, bf16/fp16 or e4m3fn/e4m3fnuz rows, page size a multiple of 64, R 512, Dr 64; for fp8
-            rows only when :data:`FP8_AUTO_WGMMA`) and the portable Triton kernel elsewhere; "wgmma" raises
+            rows while :data:`FP8_AUTO_WGMMA`, True) and the portable Triton kernel elsewhere; "wgmma" raises
             ValueError where it does not apply. The wgmma kernel ignores ``block_n``,
             ``num_warps`` and ``num_stages`` (64-token tiles, one warpgroup, a ``wgmma_stages``-deep TMA ring) and its
             default split count assumes one resident program per SM.
-        wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1) and refill order (see
-            :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable kernel.
-        wgmma_fp8_variant: the Hopper fp8 kernel's form, one of
-            :data:`~.mla_decode_hopper.FP8_WGMMA_VARIANTS` (default "serial"; "overlap" overlaps the
-            dequantisation with the products, same results, not yet run on a GPU, and needs
-            ``wgmma_stages == 2``); ignored elsewhere.
+        wgmma_stages, wgmma_early_refill: the wgmma kernel's KV ring depth (>= 1; exactly 2 for fp8 rows) and
+            refill order (see :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma`); ignored by the portable
+            kernel.
+        wgmma_fp8_f16: the Hopper fp8 kernel's f16 dequantisation chain (``f16_values`` of
+            :func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`; default False until a GPU run times it;
+            not bit for bit the bf16 chain); ignored elsewhere.
         merge_block_r, merge_block_s: the merge's value columns per program and splits per load (powers of
             two; default :func:`merge_tile`).
 
     An fp8 ``kv_dtype`` (scaled rows, :class:`~unimem_compile.pool.specs.MLARowFormat`) runs, with
-    ``kernel="wgmma"`` (or "auto" when :data:`FP8_AUTO_WGMMA` is switched on), the Hopper fp8 kernel
+    ``kernel="wgmma"`` or "auto" where it applies (:data:`FP8_AUTO_WGMMA`), the Hopper fp8 kernel
     (:func:`~.mla_decode_hopper.mla_decode_stage1_wgmma_fp8`: the rows dequantised once to the bf16 values
-    :func:`mla_decode_reference` reads, then the bf16 Hopper kernel's products; its knobs as for bf16 rows,
-    ``wgmma_early_refill`` ignored), and otherwise the portable form's fp8 split kernel (the knobs apply as
-    to the portable kernel): it reads
+    :func:`mla_decode_reference` reads, beside the bf16 Hopper kernel's products; its knobs as for bf16 rows,
+    ``wgmma_stages`` 2 only, ``wgmma_early_refill`` ignored; 0.65-0.76x the bf16 kernel's speed on an H200:
+    fp8 KV holds 1.76x the tokens, it does not decode faster), and otherwise the portable form's fp8 split
+    kernel (0.32-0.46x bf16; the knobs apply as to the portable kernel): it reads
     each row's fp8 codes, fp32 scales and bf16 rope (656 bytes at R 512, Dr 64, not 1152), converts the
     codes exactly to the dot dtype (bf16 for 16-bit queries, fp32 for fp32 ones; :func:`fp8_hw_conversion`
     says how) and applies each 128-value tile's scale after the dot it factors out of (per (head, token)
@@ -583,10 +677,10 @@ def mla_decode_triton(
     for name, value in (("merge_block_r", merge_block_r), ("merge_block_s", merge_block_s)):
         if value is not None:
             check_knob(op, name, value, power_of_two=True)
-    if wgmma_fp8_variant not in FP8_WGMMA_VARIANTS:
-        raise ValueError(f"{op}: wgmma_fp8_variant must be one of {FP8_WGMMA_VARIANTS}, got {wgmma_fp8_variant!r}")
     if not isinstance(wgmma_early_refill, bool):
         raise ValueError(f"{op}: wgmma_early_refill must be True or False, got {wgmma_early_refill!r}")
+    if not isinstance(wgmma_fp8_f16, bool):
+        raise ValueError(f"{op}: wgmma_fp8_f16 must be True or False, got {wgmma_fp8_f16!r}")
     if partial_dtype is not None and partial_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{op}: partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
                          f"{partial_dtype}")
@@ -608,14 +702,16 @@ def mla_decode_triton(
     if g.quantized and g.row_format.num_scales > FP8_MAX_SCALE_TILES:
         # the fp8 kernel holds one accumulator per scale tile; no model we serve has a wider latent
         return mla_decode_reference(q_nope, q_rope, arena, v2p, page_table, kv_len, sm_scale, *g.args())
-    if use_wgmma:
-        block_n = WGMMA_BLOCK_N
-    elif block_n is None:
-        block_n = 64 if page_size % 64 == 0 else 32
-    check_knob(op, "block_n", block_n, low=16, power_of_two=True)
+    if block_n is not None:
+        check_knob(op, "block_n", block_n, low=16, power_of_two=True)
     block_h = block_h or min(MAX_BLOCK_H, max(16, triton.next_power_of_2(H)))
-    if use_wgmma and block_h not in (16, 32):
-        raise ValueError(f"{op}: the wgmma kernel takes block_h 16 or 32, got {block_h}")
+    if use_wgmma:
+        if block_h not in (16, 32):
+            raise ValueError(f"{op}: the wgmma kernel takes block_h 16 or 32, got {block_h}")
+        block_n = WGMMA_BLOCK_N
+    else:
+        block_n, num_stages = portable_tiles(g, q_nope.dtype, block_h, device_smem_limit(q_nope.device),
+                                             block_n=block_n, num_stages=num_stages)
     splits = num_splits if num_splits is not None else mla_decode_num_splits(
         B, P, H, page_size, q_nope.device, block_n=block_n, block_h=block_h,
         blocks_per_sm=1 if use_wgmma else BLOCKS_PER_SM)
@@ -642,7 +738,7 @@ def mla_decode_triton(
                                             page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E,
                                             P * page_size, layer * page_size, page_size, layer_num, splits, block_h,
                                             hw_fp8=fp8_hw_conversion(q_nope.device, kv_dtype), stages=wgmma_stages,
-                                            variant=wgmma_fp8_variant)
+                                            f16_values=wgmma_fp8_f16)
             else:
                 mla_decode_stage1_wgmma(q_nope, q_rope, rows.view(kv_dtype).view(n_rows, g.row_width), v2p,
                                         page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, P * page_size,
@@ -680,8 +776,6 @@ def _launch_portable(q_nope, q_rope, rows, v2p, page_table, kv_len, part_o, part
     # them as kv_dtype elements; for an fp8 kv_dtype the fp8 kernel on them as codes, scales and rope
     B, H, R = q_nope.shape
     layer, layer_num, page_size, _, qk_rope_head_dim, kv_dtype = g.args()
-    if num_stages is None:
-        num_stages = 2 if page_size % 64 == 0 and block_n == 64 else 3
     grid = (triton.cdiv(H, block_h), B, splits)
     tables = (v2p, page_table, kv_len, part_o, part_lse, out, sm_scale * _LOG2E, v2p.numel(), P * page_size,
               layer * page_size, H, splits, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),

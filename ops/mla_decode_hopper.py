@@ -26,9 +26,9 @@ batch >= 32 on an H200 (benchmarks/RESULTS.md).
 
 Scaled fp8 rows (e4m3fn / e4m3fnuz, 656 bytes at R 512, Dr 64) have a form of their own,
 :func:`mla_decode_stage1_wgmma_fp8`: the same products, softmax and epilogue (shared helpers), on bf16 values
-dequantised into shared memory from the codes, rope and scales TMA brings (its docstring says how and why),
-in two schedules of the same arithmetic: "serial" (the default) and "overlap" (not yet run on a GPU), which
-runs the dequantisation beside the products.
+dequantised into shared memory from the codes, rope and scales TMA brings, the dequantisation running beside
+the products (its docstring says how and why). It is slower than this bf16 kernel (0.65-0.76x on an H200):
+fp8 KV is a capacity feature today.
 
 Scope (:func:`wgmma_supported`): an sm_90 GPU, bf16/fp16 or e4m3 KV, ``page_size % 64 == 0`` (a 64-token tile is
 one contiguous run of one page), ``kv_lora_rank == 512`` (eight value accumulators, written out) and
@@ -66,8 +66,7 @@ except Exception:  # noqa: BLE001 - an older/newer Triton without this API: the 
     gluon = None
 
 __all__ = ["wgmma_supported", "mla_decode_stage1_wgmma", "mla_decode_stage1_wgmma_fp8", "fp8_row_descriptors",
-           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL", "FP8_WGMMA_VARIANTS",
-           "FP8_WGMMA_VARIANT"]
+           "disable_wgmma", "WGMMA_BLOCK_N", "WGMMA_STAGES", "WGMMA_EARLY_REFILL", "FP8_F16_VALUES"]
 
 #: Tokens per tile (one TMA box of rows; wgmma M).
 WGMMA_BLOCK_N = 64
@@ -79,12 +78,9 @@ WGMMA_STAGES = 2
 #: Default of ``early_refill=``: refill a ring buffer chunk by chunk as the value products release it (else
 #: after all of them).
 WGMMA_EARLY_REFILL = True
-#: Forms of the fp8 kernel (``variant=`` of :func:`mla_decode_stage1_wgmma_fp8`): "serial" dequantises each tile
-#: between the previous tile's value products and its own score product; "overlap" (not yet run on a GPU)
-#: overlaps the dequantisation with both products (its docstring says how).
-FP8_WGMMA_VARIANTS = ("serial", "overlap")
-#: The default form: "serial", the one the GPU tests have checked (tests/gpu/test_mla_decode_fp8_gpu.py).
-FP8_WGMMA_VARIANT = "serial"
+#: Default of the fp8 kernel's ``f16_values=`` (:func:`mla_decode_stage1_wgmma_fp8`): False, the bf16 chain, until
+#: a GPU run has timed the f16 one (``bench_mla_decode.py --fp8-f16-ab``).
+FP8_F16_VALUES = False
 
 
 #: Why the wgmma kernel was turned off in this process (None: it is not): set by :func:`disable_wgmma`.
@@ -166,18 +162,18 @@ if gluon is not None:
         return start, end, gl.cdiv(end - start, BLOCK_N)
 
     @gluon.jit
-    def _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld: gl.constexpr, kv_ty: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr,
-                       CHUNK: gl.constexpr):
-        # queries -> shared memory, 9 chunks of [BLOCK_H, 64]; padded heads are zero (finite scores, never stored)
+    def _stage_queries(q_smem, qr_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld: gl.constexpr, BLOCK_H: gl.constexpr, NC: gl.constexpr, CHUNK: gl.constexpr):
+        # queries -> shared memory in the buffers' dtypes, 8 chunks of [BLOCK_H, 64] into q_smem and the rope
+        # chunk into qr_smem; padded heads are zero (finite scores, never stored)
         offs_h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
         offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
         h_ok = (offs_h < H)[:, None]
         qn_row = q_nope_ptr + b.to(gl.int64) * stride_qn_b + offs_h[:, None] * stride_qn_h
         for c in gl.static_range(NC):
-            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+            q_smem.index(c).store(gl.load(qn_row + c * CHUNK + offs_c[None, :], mask=h_ok, other=0.0).to(q_smem.dtype))
         qr_row = q_rope_ptr + b.to(gl.int64) * stride_qr_b + offs_h[:, None] * stride_qr_h
-        q_smem.index(NC).store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(kv_ty))
+        qr_smem.store(gl.load(qr_row + offs_c[None, :], mask=h_ok, other=0.0).to(qr_smem.dtype))
         fence_async_shared()
 
     @gluon.jit
@@ -277,8 +273,8 @@ if gluon is not None:
                 _issue_tile(kv_desc, kv_smem, bars, pt_row_ptr, v2p_ptr, start + i * BLOCK_N, num_pages,
                             layer_rows, i, PS, L, NCH, CHUNK)
 
-        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+        _stage_queries(q_smem, q_smem.index(NC), q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -352,154 +348,49 @@ if gluon is not None:
         _tma_load(scale_desc, [row0, SCALE_COL], bar, scale_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _scaled_values(c: gl.constexpr, code_smem, scale_smem, stage, cv: gl.constexpr, NC: gl.constexpr,
-                       CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
-        # fp32(code) * scale [64 rows, 64] (layout cv) of value chunk c of the tile in ring stage `stage`: rounded
-        # once to bf16 by the caller, that is the value fp8.dequantize_rows gives
+    def _f16_values(codes, scale16):
+        # fp8.fp8_f16_bits(codes) * scale16 on packed registers, 4 codes (one 32-bit register of the shared-memory
+        # load) at a time: two byte permutes spread them into 16-bit lanes, then per pair of lanes one AND, one
+        # ADD and one shift give ((b & 0x80) << 8) | ((b & 0x7F) << 7) = (b + (b & 0x80)) << 7 (no carry leaves a
+        # lane: at most 383 << 7 < 2^16), and one f16x2 multiply by the scales. Written out because Triton 3.9
+        # unpacks a 16-bit shift to one per value (with a permute in and one out): 2,544 instructions per tile
+        # that way, 1,921 this way, 1,985 for the bf16 chain (tests/ops/test_mla_decode_hopper_compile.py)
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, t;
+            prmt.b32 lo, $2, 0, 0x4140;
+            prmt.b32 hi, $2, 0, 0x4342;
+            and.b32 t, lo, 0x00800080;
+            add.u32 lo, lo, t;
+            shl.b32 lo, lo, 7;
+            and.b32 t, hi, 0x00800080;
+            add.u32 hi, hi, t;
+            shl.b32 hi, hi, 7;
+            mul.rn.f16x2 $0, lo, $3;
+            mul.rn.f16x2 $1, hi, $4;
+            }""",
+            constraints="=r,=r,r,r,r", args=[codes, scale16], dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, dst, stage, cv: gl.constexpr, NC: gl.constexpr,
+                          CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr,
+                          F16_VALUES: gl.constexpr, F16_POW2: gl.constexpr):
+        # value chunk c [64 rows, 64] (layout cv) of the tile in ring stage `stage` -> the chunk buffer `dst`, with
+        # no per-value select: a partial tile's codes and scales past the end were zeroed beforehand (code 0 times
+        # scale 0 is +0). bf16 values: bf16(fp32(code) * scale), what fp8.dequantize_rows gives. F16_VALUES: the
+        # code's bits moved into an f16 (integer ops only, its value times 2^-k) times the f16 scale times 2^k,
+        # one f16 product, what fp8.dequantize_f16 gives
         codes = code_smem.index(stage * NC + c).load(cv)
-        if HW_FP8:
-            values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        else:
-            values = fp8.fp8_decode(codes, FNUZ)
         scale = scale_smem.index(stage).slice(c * CHUNK // SCALE_TILE, 1, dim=1).load(cv)  # [64 rows, 1]
-        return values * scale
-
-    @gluon.jit
-    def _dequantize_chunk(c: gl.constexpr, code_smem, scale_smem, kv_smem, stage, keep, cv: gl.constexpr,
-                          NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr,
-                          FNUZ: gl.constexpr):
-        # value chunk c of the tile in ring stage `stage` -> bf16 buffer c: bf16(fp32(code) * scale), zero for
-        # tokens past the end (`keep` [64, 1]: their bytes may be NaN codes)
-        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
-        kv_smem.index(c).store(gl.where(keep, values, 0.0).to(kv_smem.dtype))
-
-    @gluon.jit
-    def _retire_then_dequantize(acc, outstanding: gl.constexpr, c: gl.constexpr, code_smem, scale_smem, kv_smem,
-                                stage, keep, cv: gl.constexpr, NC: gl.constexpr, CHUNK: gl.constexpr,
-                                SCALE_TILE: gl.constexpr, HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
-        # wait until value product c (and those before it: wgmma groups retire in order) released buffer c,
-        # then dequantise the next tile's chunk c into it while the later products still run
-        acc = warpgroup_mma_wait(num_outstanding=outstanding, deps=(acc,))
-        _dequantize_chunk(c, code_smem, scale_smem, kv_smem, stage, keep, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
-        return acc
-
-    @gluon.jit
-    def _mla_decode_wgmma_fp8_kernel(
-        code_desc, rope_desc, scale_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr,
-        part_lse_ptr, out_ptr,
-        qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
-        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
-        R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-        STAGES: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr, SCALE_TILE: gl.constexpr,
-        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        # _mla_decode_wgmma_kernel on scaled fp8 rows (see mla_decode_stage1_wgmma_fp8): the ring holds the
-        # rows' codes, rope and scales as TMA brought them; each tile's values are dequantised once into one
-        # bf16 buffer the products read, chunk c as soon as the previous tile's value product c released it
-        BLOCK_N: gl.constexpr = 64
-        CHUNK: gl.constexpr = 64
-        NC: gl.constexpr = R // CHUNK
-        gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
-        g = gl.program_id(0)
-        b = gl.program_id(1)
-        s = gl.program_id(2)
-        kv_ty: gl.constexpr = rope_desc.dtype
-        start, end, num_tiles = _split_range(kv_len_ptr, b, s, num_splits, max_tokens, BLOCK_N)
-
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
-        head_l: gl.constexpr = gl.SliceLayout(0, mma)
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols]
-        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], kv_ty)
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
-
-        code_smem = gl.allocate_shared_memory(code_desc.dtype, [STAGES * NC, BLOCK_N, CHUNK], code_desc.layout)
-        rope_smem = gl.allocate_shared_memory(kv_ty, [STAGES, BLOCK_N, CHUNK], rope_desc.layout)
-        scale_smem = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N, NC * CHUNK // SCALE_TILE],
-                                               scale_desc.layout)
-        kv_smem = gl.allocate_shared_memory(kv_ty, [NC, BLOCK_N, CHUNK], kv_sl)
-        q_smem = gl.allocate_shared_memory(kv_ty, [NC + 1, BLOCK_H, CHUNK], q_sl)
-        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-
-        pt_row_ptr = page_table_ptr + b.to(gl.int64) * stride_pt_b
-        for i in gl.static_range(STAGES):
-            row0 = _tile_row0(pt_row_ptr, v2p_ptr, start + i * BLOCK_N, end, num_pages, layer_rows, PS, L)
-            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(i), row0,
-                            i, i < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
-        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld, kv_ty, BLOCK_H, NC, CHUNK)
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
-        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = zero, zero, zero, zero, zero, zero, zero, zero
-        offs_t = gl.arange(0, BLOCK_N, layout=row_l)
-        offs_tl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-        # tile 0's values; later tiles' are dequantised at the end of the iteration before theirs
-        mbarrier.wait(bars.index(0), 0, pred=num_tiles > 0)
-        keep = (start + offs_tl < end)[:, None]
-        for c in gl.static_range(NC):
-            _dequantize_chunk(c, code_smem, scale_smem, kv_smem, 0, keep, ld, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
-        fence_async_shared()
-        for j in range(num_tiles):
-            st = j % STAGES
-            t0 = start + j * BLOCK_N
-            # the refill's two dependent table loads go out before the score product
-            row_next = _tile_row0(pt_row_ptr, v2p_ptr, t0 + STAGES * BLOCK_N, end, num_pages, layer_rows, PS, L)
-            sacc = warpgroup_mma(kv_smem.index(0), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
-            for c in gl.static_range(1, NC):
-                sacc = warpgroup_mma(kv_smem.index(c), q_smem.index(c).permute((1, 0)), sacc, is_async=True)
-            sacc = warpgroup_mma(rope_smem.index(st), q_smem.index(NC).permute((1, 0)), sacc, is_async=True)
-            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
-            # stage `st` is read (codes and scales dequantised, rope multiplied): refill it with tile j + STAGES
-            _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(st),
-                            row_next, st, j + STAGES < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
-            a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _value_products(
-                kv_smem, 0, p_smem, a2, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
-            # the next tile's values, chunk by chunk as these products release the buffer. After the last tile
-            # there is none: the wait is skipped and the stale stage's values are never read (a runtime `if`
-            # cannot hold the accumulator waits)
-            nst = (j + 1) % STAGES
-            mbarrier.wait(bars.index(nst), ((j + 1) // STAGES) & 1, pred=j + 1 < num_tiles)
-            keep = (t0 + BLOCK_N + offs_tl < end)[:, None]
-            acc0 = _retire_then_dequantize(acc0, 7, 0, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc1 = _retire_then_dequantize(acc1, 6, 1, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc2 = _retire_then_dequantize(acc2, 5, 2, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc3 = _retire_then_dequantize(acc3, 4, 3, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc4 = _retire_then_dequantize(acc4, 3, 4, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc5 = _retire_then_dequantize(acc5, 2, 5, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc6 = _retire_then_dequantize(acc6, 1, 6, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            acc7 = _retire_then_dequantize(acc7, 0, 7, code_smem, scale_smem, kv_smem, nst, keep, ld, NC, CHUNK,
-                                           SCALE_TILE, HW_FP8, FNUZ)
-            fence_async_shared()
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-        _epilogue(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, part_o_ptr, part_lse_ptr, out_ptr, g, b,
-                  s, start, end, H, num_splits, R, BLOCK_H, SPLIT, head_l, num_warps, CHUNK)
-
-    @gluon.jit
-    def _dequantize_chunk_into(c: gl.constexpr, code_smem, scale_smem, dst, stage, cv: gl.constexpr,
-                               NC: gl.constexpr, CHUNK: gl.constexpr, SCALE_TILE: gl.constexpr,
-                               HW_FP8: gl.constexpr, FNUZ: gl.constexpr):
-        # _dequantize_chunk without the per-value select (the overlap form zeroes a partial tile's codes and
-        # scales past the end beforehand: code 0 times scale 0 is +0, what the select gave): value chunk c of
-        # the tile in ring stage `stage` -> the bf16 chunk buffer `dst`
-        values = _scaled_values(c, code_smem, scale_smem, stage, cv, NC, CHUNK, SCALE_TILE, HW_FP8, FNUZ)
-        dst.store(values.to(dst.dtype))
+        if F16_VALUES:
+            scale16 = gl.full(codes.shape, 0.0, gl.float16, cv) + (scale * F16_POW2).to(gl.float16)
+            dst.store(_f16_values(codes, scale16))
+        else:
+            if HW_FP8:
+                values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            else:
+                values = fp8.fp8_decode(codes, FNUZ)
+            dst.store((values * scale).to(dst.dtype))
 
     @gluon.jit
     def _zero_rows_past_end(code_smem, scale_smem, stage, t0, end, cv: gl.constexpr, sv: gl.constexpr,
@@ -515,26 +406,28 @@ if gluon is not None:
         scales.store(gl.where(keep_s, scales.load(sv), 0.0))
 
     @gluon.jit
-    def _mla_decode_wgmma_fp8_overlap_kernel(
+    def _mla_decode_wgmma_fp8_kernel(
         code_desc, rope_desc, scale_desc, q_nope_ptr, q_rope_ptr, v2p_ptr, page_table_ptr, kv_len_ptr, part_o_ptr,
         part_lse_ptr, out_ptr,
         qk_scale, num_pages, max_tokens, layer_rows, H, num_splits,
         stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h, stride_pt_b,
         R: gl.constexpr, PS: gl.constexpr, L: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
         STAGES: gl.constexpr, ROPE_COL: gl.constexpr, SCALE_COL: gl.constexpr, SCALE_TILE: gl.constexpr,
-        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, num_warps: gl.constexpr,
+        HW_FP8: gl.constexpr, FNUZ: gl.constexpr, F16_VALUES: gl.constexpr, F16_POW2: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
-        # the "overlap" form of _mla_decode_wgmma_fp8_kernel (mla_decode_stage1_wgmma_fp8 says why): the bf16
-        # values live in a ring of 12 chunk buffers (1.5 tiles), tile j's chunk c in buffer (8 j + c) % 12, so
-        # the next tile's chunks 0-3 are dequantised into the 4 free buffers while this tile's score product
-        # runs, and its chunks 4-7 into this tile's chunk 0-3 buffers as value products 0-3 retire
+        # _mla_decode_wgmma_kernel on scaled fp8 rows (mla_decode_stage1_wgmma_fp8 says why this way): the ring
+        # holds the rows' codes, rope and scales as TMA brought them; the bf16 values live in a ring of 12 chunk
+        # buffers (1.5 tiles), tile j's chunk c in buffer (8 j + c) % 12, so the next tile's chunks 0-3 are
+        # dequantised into the 4 free buffers while this tile's score product runs, and its chunks 4-7 into
+        # this tile's chunk 0-3 buffers as value products 0-3 retire
         BLOCK_N: gl.constexpr = 64
         CHUNK: gl.constexpr = 64
         NC: gl.constexpr = R // CHUNK
         HALF: gl.constexpr = NC // 2
         gl.static_assert(NC == 8, "the value accumulators are written out for kv_lora_rank 512")
         # the next tile's codes are waited for before this tile's stage is refilled: one stage would deadlock
-        gl.static_assert(STAGES == 2, "the overlap form needs a 2-deep ring (3 do not fit in shared memory)")
+        gl.static_assert(STAGES == 2, "the fp8 kernel needs a 2-deep ring (3 do not fit in shared memory)")
         g = gl.program_id(0)
         b = gl.program_id(1)
         s = gl.program_id(2)
@@ -547,17 +440,22 @@ if gluon is not None:
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64 cols]
         sv: gl.constexpr = gl.BlockedLayout([1, NC * CHUNK // SCALE_TILE], [32, 1], [num_warps, 1], [1, 0])
-        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], kv_ty)
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_ty)
+        # the products' dtype: bf16 (the rope's, as stored), or f16 for the values, queries and probabilities
+        # with F16_VALUES (the rope's score product stays bf16: wgmma accumulates both into one fp32 tile)
+        val_ty: gl.constexpr = gl.float16 if F16_VALUES else kv_ty
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CHUNK], val_ty)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], val_ty)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, CHUNK], kv_ty)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], val_ty)
 
         code_smem = gl.allocate_shared_memory(code_desc.dtype, [STAGES * NC, BLOCK_N, CHUNK], code_desc.layout)
         rope_smem = gl.allocate_shared_memory(kv_ty, [STAGES, BLOCK_N, CHUNK], rope_desc.layout)
         scale_smem = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N, NC * CHUNK // SCALE_TILE],
                                                scale_desc.layout)
-        kv_smem = gl.allocate_shared_memory(kv_ty, [3 * HALF, BLOCK_N, CHUNK], kv_sl)  # 3 groups of 4 chunks
-        q_smem = gl.allocate_shared_memory(kv_ty, [NC + 1, BLOCK_H, CHUNK], q_sl)
-        p_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_N, BLOCK_H], p_sl)
+        kv_smem = gl.allocate_shared_memory(val_ty, [3 * HALF, BLOCK_N, CHUNK], kv_sl)  # 3 groups of 4 chunks
+        q_smem = gl.allocate_shared_memory(val_ty, [NC, BLOCK_H, CHUNK], q_sl)
+        qr_smem = gl.allocate_shared_memory(kv_ty, [BLOCK_H, CHUNK], qr_sl)
+        p_smem = gl.allocate_shared_memory(val_ty, [BLOCK_N, BLOCK_H], p_sl)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -567,8 +465,8 @@ if gluon is not None:
             row0 = _tile_row0(pt_row_ptr, v2p_ptr, start + i * BLOCK_N, end, num_pages, layer_rows, PS, L)
             _issue_fp8_tile(code_desc, rope_desc, scale_desc, code_smem, rope_smem, scale_smem, bars.index(i), row0,
                             i, i < num_tiles, NC, CHUNK, ROPE_COL, SCALE_COL)
-        _stage_queries(q_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-                       ld, kv_ty, BLOCK_H, NC, CHUNK)
+        _stage_queries(q_smem, qr_smem, q_nope_ptr, q_rope_ptr, g, b, H, stride_qn_b, stride_qn_h, stride_qr_b,
+                       stride_qr_h, ld, BLOCK_H, NC, CHUNK)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=head_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=head_l)
@@ -580,8 +478,8 @@ if gluon is not None:
         if end - start < BLOCK_N:
             _zero_rows_past_end(code_smem, scale_smem, 0, start, end, ld, sv, NC, BLOCK_N)
         for c in gl.static_range(NC):
-            _dequantize_chunk_into(c, code_smem, scale_smem, kv_smem.index(c), 0, ld, NC, CHUNK, SCALE_TILE, HW_FP8,
-                                   FNUZ)
+            _dequantize_chunk(c, code_smem, scale_smem, kv_smem.index(c), 0, ld, NC, CHUNK, SCALE_TILE, HW_FP8,
+                                   FNUZ, F16_VALUES, F16_POW2)
         fence_async_shared()
         for j in range(num_tiles):
             st = j % STAGES
@@ -597,7 +495,7 @@ if gluon is not None:
             for c in gl.static_range(HALF, NC):
                 sacc = warpgroup_mma(kv_smem.index(hi + c - HALF), q_smem.index(c).permute((1, 0)), sacc,
                                      is_async=True)
-            sacc = warpgroup_mma(rope_smem.index(st), q_smem.index(NC).permute((1, 0)), sacc, is_async=True)
+            sacc = warpgroup_mma(rope_smem.index(st), qr_smem.permute((1, 0)), sacc, is_async=True)
             # while the score product runs: tile j + 1's codes (zeroed past the end if partial) and its chunks
             # 0-3 into the free group. After the last tile the wait is skipped and the stale values never read
             nst = (j + 1) % STAGES
@@ -605,8 +503,8 @@ if gluon is not None:
             if (j + 1 < num_tiles) & (end - t0 < 2 * BLOCK_N):
                 _zero_rows_past_end(code_smem, scale_smem, nst, t0 + BLOCK_N, end, ld, sv, NC, BLOCK_N)
             for c in gl.static_range(HALF):
-                _dequantize_chunk_into(c, code_smem, scale_smem, kv_smem.index(nx + c), nst, ld, NC, CHUNK,
-                                       SCALE_TILE, HW_FP8, FNUZ)
+                _dequantize_chunk(c, code_smem, scale_smem, kv_smem.index(nx + c), nst, ld, NC, CHUNK,
+                                       SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
             a2, m_i, l_i = _softmax_to_shared(sacc, t0 + offs_t < end, qk_scale, m_i, l_i, p_smem)
             acc0 = warpgroup_mma(kv_smem.index(lo + 0).permute((1, 0)), p_smem, acc0 * a2, is_async=True)
@@ -625,17 +523,17 @@ if gluon is not None:
             # tile j + 1's chunks 4-7 into this tile's chunk 0-3 buffers, each once the value product that read
             # it retired (groups retire in order), while products 4-7 still run
             acc0 = warpgroup_mma_wait(num_outstanding=7, deps=(acc0,))
-            _dequantize_chunk_into(HALF + 0, code_smem, scale_smem, kv_smem.index(lo + 0), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+            _dequantize_chunk(HALF + 0, code_smem, scale_smem, kv_smem.index(lo + 0), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc1,))
-            _dequantize_chunk_into(HALF + 1, code_smem, scale_smem, kv_smem.index(lo + 1), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+            _dequantize_chunk(HALF + 1, code_smem, scale_smem, kv_smem.index(lo + 1), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc2 = warpgroup_mma_wait(num_outstanding=5, deps=(acc2,))
-            _dequantize_chunk_into(HALF + 2, code_smem, scale_smem, kv_smem.index(lo + 2), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+            _dequantize_chunk(HALF + 2, code_smem, scale_smem, kv_smem.index(lo + 2), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             acc3 = warpgroup_mma_wait(num_outstanding=4, deps=(acc3,))
-            _dequantize_chunk_into(HALF + 3, code_smem, scale_smem, kv_smem.index(lo + 3), nst, ld, NC, CHUNK,
-                                   SCALE_TILE, HW_FP8, FNUZ)
+            _dequantize_chunk(HALF + 3, code_smem, scale_smem, kv_smem.index(lo + 3), nst, ld, NC, CHUNK,
+                                   SCALE_TILE, HW_FP8, FNUZ, F16_VALUES, F16_POW2)
             # products 4-7 ran beside those four chunks; they must retire before the next softmax rewrites P
             acc4, acc5, acc6, acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc4, acc5, acc6, acc7))
             fence_async_shared()
@@ -747,11 +645,11 @@ def fp8_row_descriptors(rows: torch.Tensor, fmt: MLARowFormat) -> tuple:
 def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, page_table, kv_len, part_o, part_lse, out,
                                 qk_scale: float, max_tokens: int, layer_rows: int, page_size: int, layer_num: int,
                                 splits: int, block_h: int, *, hw_fp8: bool, stages: int = WGMMA_STAGES,
-                                variant: str = FP8_WGMMA_VARIANT) -> None:
+                                f16_values: bool = FP8_F16_VALUES) -> None:
     """Stage 1 on scaled fp8 rows (:class:`~unimem_compile.pool.specs.MLARowFormat`), grid ``(cdiv(H, block_h), B,
     splits)``: :func:`mla_decode_stage1_wgmma`'s products, softmax and outputs over the values
     ``bf16(fp32(code) * scale)``, the values :func:`.fp8.dequantize_rows` returns, so the result is the bf16
-    kernel's on the dequantised rows.
+    kernel's on the dequantised rows, bit for bit.
 
     Why dequantise into shared memory (a bf16 tile the products read, the values rounded once) rather than
     converting the codes unscaled and applying the scales to the scores and probabilities (as the portable
@@ -762,46 +660,37 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
     :func:`~unimem_compile.ops.mla_decode.mla_decode_reference`'s values (what ``mla_gather`` returns).
 
     Per 64-token tile: TMA brings 8 boxes of codes, the rope box and the scale box (41,984 bytes, one
-    mbarrier) into a ring of ``stages``; the tile's value chunk ``c`` is dequantised into the single bf16
-    value buffer once the previous tile's value product ``c`` has retired (overlapping the products still
-    running), then the score product (8 value chunks + the rope box straight from the ring), after which the
-    ring stage is refilled with tile ``j + stages``. Tokens past the end are zeroed while dequantising (their
-    codes may be NaN), their scores masked to ``-inf``. Shared memory at block_h 32, 2 stages: 2 x 41 KiB ring
-    + 64 KiB values + 36 KiB queries + 4 KiB probabilities = 186 KiB (one program per SM).
+    mbarrier) into a 2-deep ring. The dequantised bf16 values live in a ring of 12 chunk buffers (96 KiB,
+    1.5 tiles: tile j's chunk c in buffer ``(8 j + c) % 12``), so the dequantisation runs beside the tensor
+    cores: while tile j's score product runs, tile j + 1's chunks 0-3 are dequantised into the 4 free buffers;
+    after tile j's value products are issued, its chunks 4-7 go into tile j's chunk 0-3 buffers as value
+    products 0-3 retire (wgmma groups retire in order), beside products 4-7. A partial tile's codes and scales
+    past the end are zeroed once in shared memory (``fp32(0) * 0 = +0``; their bytes may be NaN), so full tiles
+    convert with no select; their scores are masked to ``-inf``. The ring refill (10 TMA copies) goes out
+    behind the value products. Shared memory at block_h 32: 2 x 41 KiB ring + 96 KiB values + 36 KiB queries
+    + 4 KiB probabilities = 218 KiB (one program per SM; one ring stage would wait for the tile it has not yet
+    asked for, three do not fit).
 
-    The "overlap" variant (``variant="overlap"``; NOT YET RUN ON A GPU, so not the default): the same values,
-    products and order of operations, scheduled so that the dequantisation runs beside the tensor cores
-    instead of between them. What the sm_90 SASS of the serial form (Triton 3.6.0, the H200's compiler) shows
-    per 64-token tile and thread of its one warpgroup: 2,567 instructions in the loop (the bf16 kernel: 1,041
-    on its full-tile path), of which the dequantisation is 128 ``F2FP.F16.E4M3.UNPACK_B`` + 256 ``HADD2.F32`` +
-    256 ``FMUL`` + 136 ``F2FP.BF16.F32.PACK_AB`` + 32 ``LDS.64`` codes + 32 ``LDS`` scales + 32 ``STS.128``
-    (both swizzles are met with 8-byte loads and 16-byte stores: no conflicts from the layouts), plus 259 ``SEL``
-    and 298 ``PRMT`` for the ``where`` that zeroes rows past the end (done on every tile, after the bf16
-    packing, value by value), and 65 ``LDL`` + 6 ``STL`` reloading the 520 bytes of spilled wgmma
-    descriptors (255 registers): 65 KiB of local memory per program, more than the L1 that 187 KiB of shared
-    memory leaves of an SM's 256 KiB, so likely L2 round trips ahead of the ``HGMMA`` they feed. The
-    measured 6.0 us per tile (batch 128, context 16k) is ~11,900 cycles for 2,567 instructions: an IPC of
-    ~0.2 for the one warp on each sub-partition, a latency-bound loop. And the order serialises: the score product of tile j + 1 waits for all of
-    its dequantisation, which overlaps only value products c + 1..7 of tile j. The overlap form:
+    Measured (H200, Triton 3.6.0, benchmarks/results/mla_decode_2026-12-02_fp8_wgmma_ab.json): 0.65-0.76x the
+    bf16 Hopper kernel (82.9 us against 62.8 at batch 32, context 4k; 962.7 against 632.6 at batch 128,
+    context 16k), 54-73 TFLOP/s on L2-resident rows; 1.57-1.62x the schedule it replaced (which dequantised
+    each tile between the previous tile's value products and its own score product, with a select per value
+    and 520 bytes of spilled descriptors; outputs equal bit for bit at every point), and about 2x the portable
+    fp8 kernel. Slower than bf16 rows: what is left per tile is the conversion chain (docs/ops.md, "fp8 MLA
+    rows").
 
-    * keeps the bf16 values in a ring of 12 chunk buffers (96 KiB, 1.5 tiles): tile j's chunk c in buffer
-      ``(8 j + c) % 12``. While tile j's score product runs, tile j + 1's chunks 0-3 are dequantised into the
-      4 free buffers; after its value products are issued, chunks 4-7 go into tile j's chunk 0-3 buffers as
-      value products 0-3 retire (wgmma groups retire in order), beside products 4-7;
-    * zeroes the codes and scales of rows past the end in shared memory once, on a partial tile only
-      (``fp32(0) * 0 = +0``, the bits the ``where`` gave), so a full tile's values are converted with no
-      select: 1,969 instructions per tile, no ``SEL``/``PRMT`` in the dequantisation, 48 bytes of stack
-      (6 ``LDL`` per tile);
-    * issues the ring refill (10 TMA copies, each behind a ``BAR.SYNC`` Triton's barrier analysis puts there)
-      after the value products, not between the score product and the softmax.
-
-    Shared memory: 2 x 41 KiB ring + 96 KiB values + 36 KiB queries + 4 KiB probabilities = 218 KiB (needs
-    ``stages == 2``: one stage would wait for the tile it has not yet asked for; three do not fit). What is
-    left per tile and SM: 264 ``F2FP`` per thread on the conversion pipe (at the 16 conversions per clock and
-    SM of the CUDA guide's table, ~2,100 cycles) and ~341 KB of shared-memory traffic (wgmma operands
-    204 KB at 32 heads, codes read 32 KB, values written 64 KB, TMA 41 KB; ~2,700 cycles at 128 B per
-    clock), against ~2,800 cycles (1.4 us) for 1.6x the bf16 kernel: the variant can reach the goal only if
-    those overlap almost perfectly; a GPU run (benchmarks/gpu_session.sh) decides.
+    ``f16_values=True`` (off by default until a GPU run times it) swaps that chain for a cheaper one with the
+    same products in f16: a code's bits become an f16's with integer ops only (:func:`.fp8.fp8_f16_bits`:
+    ``((b & 0x80) << 8) | ((b & 0x7F) << 7)``, exactly the e4m3fn value times 2^-8, e4m3fnuz's times 2^-7,
+    subnormals included, so one path serves both formats and ``hw_fp8`` is ignored), multiplied by the
+    tile's scale times 2^k rounded to f16, one f16 product per value (the values :func:`.fp8.dequantize_f16`
+    returns); the queries and probabilities go to f16 for the latent products (f16 has 3 more mantissa bits
+    than bf16), the rope's score product stays bf16 (its own queries buffer; both accumulate into the one
+    fp32 score tile). The result is then no longer the bf16 kernel's bit for bit: it is attention over values
+    within ``2^-10`` of the exact ``code x scale`` (bf16's: ``2^-8``). Range caveat: a dequantised latent or an
+    absorbed query above f16's 65504 overflows to inf (bf16 holds up to 3.4e38), and tiles whose largest magnitude is below ~1.1e-4
+    keep fewer bits of their scale (an f16 subnormal); probabilities below 2^-24 of the running maximum flush
+    to zero.
 
     Args:
         q_nope, q_rope: ``[B, H, 512]`` / ``[B, H, 64]`` queries (bf16/fp16/fp32, last dim contiguous; rounded
@@ -810,27 +699,27 @@ def mla_decode_stage1_wgmma_fp8(q_nope, q_rope, rows, fmt: MLARowFormat, v2p, pa
         fmt: the row format (an fp8 KV dtype, R 512, Dr 64).
         hw_fp8: convert codes with the GPU's e4m3 conversion (e4m3fn only); else the integer decoder
             :func:`.fp8.fp8_decode` (e4m3fnuz: Triton has no e4m3fnuz type on sm_90). Both are exact.
-        stages: ring depth (>= 1; exactly 2 for "overlap").
-        variant: one of :data:`FP8_WGMMA_VARIANTS` (default :data:`FP8_WGMMA_VARIANT`, "serial").
+        stages: ring depth; must be 2 (the keyword is ``mla_decode_triton``'s ``wgmma_stages``, which the bf16
+            kernel takes from 1 up).
+        f16_values: the f16 chain above (default :data:`FP8_F16_VALUES`, False).
         The rest: as :func:`mla_decode_stage1_wgmma`.
 
     Raises:
-        ValueError: from :func:`fp8_row_descriptors`; an unknown ``variant``, or "overlap" with ``stages`` other
-            than 2.
+        ValueError: from :func:`fp8_row_descriptors`; ``stages`` other than 2; ``f16_values`` not a bool.
     """
-    if variant not in FP8_WGMMA_VARIANTS:
-        raise ValueError(f"mla_decode_stage1_wgmma_fp8: variant must be one of {FP8_WGMMA_VARIANTS}, got {variant!r}")
-    if variant == "overlap" and stages != 2:
-        raise ValueError(f"mla_decode_stage1_wgmma_fp8: the overlap variant needs stages == 2 (1 would deadlock, 3 "
-                         f"do not fit in shared memory), got {stages}")
+    if stages != 2:
+        raise ValueError(f"mla_decode_stage1_wgmma_fp8: the fp8 kernel needs stages == 2 (1 would deadlock, 3 do not "
+                         f"fit in shared memory), got {stages}")
+    if not isinstance(f16_values, bool):
+        raise ValueError(f"mla_decode_stage1_wgmma_fp8: f16_values must be True or False, got {f16_values!r}")
     codes, rope, scales = fp8_row_descriptors(rows, fmt)
     B, H, R = q_nope.shape
-    kernel = _mla_decode_wgmma_fp8_overlap_kernel if variant == "overlap" else _mla_decode_wgmma_fp8_kernel
-    kernel[(triton.cdiv(H, block_h), B, splits)](
+    _mla_decode_wgmma_fp8_kernel[(triton.cdiv(H, block_h), B, splits)](
         codes, rope, scales, q_nope, q_rope, v2p, page_table, kv_len, part_o, part_lse, out,
         qk_scale, v2p.numel(), max_tokens, layer_rows, H, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0),
         R=R, PS=page_size, L=layer_num, BLOCK_H=block_h, SPLIT=splits > 1, STAGES=stages,
         ROPE_COL=fmt.rope_offset // 2, SCALE_COL=fmt.scale_offset // 4, SCALE_TILE=FP8_TILE,
-        HW_FP8=hw_fp8, FNUZ=fp8.FNUZ[fmt.dtype], num_warps=4,
+        HW_FP8=hw_fp8, FNUZ=fp8.FNUZ[fmt.dtype], F16_VALUES=f16_values,
+        F16_POW2=float(2 ** fp8.F16_BITS_EXPONENT[fmt.dtype]), num_warps=4,
     )

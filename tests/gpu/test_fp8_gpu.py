@@ -1,7 +1,8 @@
 """fp8 MLA KV on CUDA at the real Kimi-Linear geometry (7 layers, 512 + 64): the compiled write and gather
 kernels against the plain-torch references byte for byte (both e4m3 formats; on sm_90 Triton has no
-e4m3fnuz type, the kernels encode its bits with integer ops), mla_decode on fp8 rows (its fp8 split kernel;
-tests/gpu/test_mla_decode_fp8_gpu.py holds it to exact attention), mla_prefill on fp8 rows (its plain-torch piece gather, then
+e4m3fnuz type, the kernels encode its bits with integer ops), mla_decode on fp8 rows (what ``auto`` runs: on an
+H100/H200 at page size 64 the Hopper fp8 kernel, else the fp8 split kernel; tests/gpu/test_mla_decode_fp8_gpu.py
+holds each to exact attention), mla_prefill on fp8 rows (its plain-torch piece gather, then
 its attention kernel), and the 4-layer real-geometry model's teacher-forced logits with fp8 KV:
 
 * dense-MLP variant in fp32 (``build_model(dense_mlp=True)``), held to the linear-response bounds of

@@ -3,7 +3,7 @@ and 16 heads, ragged rows up to 3000 tokens on NaN-poisoned pools: histories end
 in their last page, free pages are NaN), both e4m3 formats (e4m3fn through the hardware's fp8 conversion,
 e4m3fnuz through the integer decoder), bf16 queries.
 
-The portable fp8 split kernel (page sizes 64 and 16):
+The portable fp8 split kernel (``kernel="portable"``; page sizes 64 and 16):
 
 * against float64 attention over the rows' exact values ``fp32(code) * scale`` with the same bf16 queries:
   the kernel rounds each probability-times-scale to bf16 before the value product (relative ``u = 2^-8``
@@ -11,17 +11,22 @@ The portable fp8 split kernel (page sizes 64 and 16):
   ``1.1 u (max |v| + |want|)`` plus ``1e-5 max |v|`` for fp32 sums;
 * against ``mla_decode_reference`` (bf16-rounded values, fp32 softmax) loosely (the two bounds added);
 * captured in a CUDA graph (as the decode runner replays it): a replay after new queries and lengths
-  equals the eager call bit for bit.
+  equals the eager call bit for bit;
+* with fp32 queries (an fp32 model with fp8 KV: fp32 products, the tiles ``portable_tiles`` fits into the
+  H200's shared memory, 64 tokens x 1 stage at page size 64, where 2 stages failed to launch): within
+  ``1e-4 max |v|`` of float64 attention over the exact values.
 
-The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings), in both of its
-forms (``wgmma_fp8_variant`` "serial" and "overlap": the same dequantised values and products, scheduled
-differently, so the same expectations):
+The Hopper fp8 kernel (``kernel="wgmma"``, page size 64, 32 and 16 heads: both head blockings; what
+``kernel="auto"`` runs on an H100/H200 at page sizes that are multiples of 64):
 
 * bit for bit the bf16 Hopper kernel's result on a bf16 arena holding the dequantised rows
   (``fp8.dequantize_rows`` of every row, same row indices, same split count): it dequantises exactly those
   values into shared memory and then runs the same products, softmax and merge in the same order;
 * against float64 attention over the dequantised values (the bound above: bf16 probabilities and output);
-* in a CUDA graph, as above.
+* in a CUDA graph, as above;
+* ``kernel="auto"`` is it at page size 64 and the portable fp8 kernel at page size 16;
+* its f16 dequantisation chain (``wgmma_fp8_f16=True``, off by default): against float64 attention over the
+  exact values, its values within ``2^-10`` of them (``fp8.dequantize_f16``), f16 probabilities, bf16 output.
 
 Run: ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_mla_decode_fp8_gpu.py``."""
 
@@ -38,6 +43,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("run with TRITON_INTERPRET=0: these tests check the compiled kernels", allow_module_level=True)
 
 from unimem_compile.ops import fp8  # noqa: E402
+from unimem_compile.ops.geometry import MLAGeometry  # noqa: E402
 from unimem_compile.pool import ArenaLayout, MLASpec, UnifiedPool  # noqa: E402
 
 md = importlib.import_module("unimem_compile.ops.mla_decode")
@@ -100,7 +106,7 @@ def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, he
     g = torch.Generator(device="cuda").manual_seed(7)
     q_nope = torch.randn(len(lens), heads, R, device="cuda", generator=g).bfloat16()
     q_rope = torch.randn(len(lens), heads, DR, device="cuda", generator=g).bfloat16()
-    got = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope)).double().cpu()
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="portable").double().cpu()
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in rows.args(q_nope, q_rope)]
     ref = md.mla_decode_reference(*cpu).double()
     for b, exact in enumerate(rows.exact):
@@ -119,25 +125,42 @@ def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, he
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_kernel_with_fp32_queries_fits_the_shared_memory_and_equals_exact_attention(fmt):
+    rows = Rows(fmt, 64, [3000, 1, 777, 64], seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    q_nope = torch.randn(4, 32, R, device="cuda", generator=g)
+    q_rope = torch.randn(4, 32, DR, device="cuda", generator=g)
+    limit = md.device_smem_limit(q_nope.device)
+    if limit == 232448:  # an H100/H200: one stage fewer than the default 2
+        assert md.portable_tiles(MLAGeometry(*rows.geometry), torch.float32, 32, limit) == (64, 1)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="portable").double().cpu()
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
+        vmax = float(exact[:, :R].abs().max())
+        assert float((got[b] - want).abs().max()) <= 1e-4 * vmax, b
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_kernel_replays_in_a_cuda_graph(fmt):
     rows = Rows(fmt, 64, [1500, 700, 64, 3], seed=11)
     g = torch.Generator(device="cuda").manual_seed(8)
     q_nope = torch.randn(4, 32, R, device="cuda", generator=g).bfloat16()
     q_rope = torch.randn(4, 32, DR, device="cuda", generator=g).bfloat16()
     kv_len = rows.kv_len.clone()
-    out = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len))  # compiles before the capture
+    run = functools.partial(md.mla_decode_triton, kernel="portable")
+    out = run(*rows.args(q_nope, q_rope, kv_len))  # compiles before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len))
+        out = run(*rows.args(q_nope, q_rope, kv_len))
     q_nope.copy_(torch.randn(4, 32, R, device="cuda", generator=g).bfloat16())
     kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
     graph.replay()
-    assert torch.equal(out, torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope, kv_len)))
+    assert torch.equal(out, run(*rows.args(q_nope, q_rope, kv_len)))
 
 
 WGMMA_CASES = [(32, [3000, 1, 0, 777, 64, 2049]), (16, [1000, 37, 513, 64])]
-# both forms of the Hopper fp8 kernel (mla_decode_stage1_wgmma_fp8's variant=): the same values and products
-VARIANTS = ["serial", "overlap"]
 
 
 def _queries(batch, heads, seed):
@@ -146,13 +169,12 @@ def _queries(batch, heads, seed):
             torch.randn(batch, heads, DR, device="cuda", generator=g).bfloat16())
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads, lens", WGMMA_CASES)
-def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(fmt, heads, lens, variant):
+def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(fmt, heads, lens):
     rows = Rows(fmt, 64, lens, seed=heads + 3)
     q_nope, q_rope = _queries(len(lens), heads, seed=9)
-    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma", wgmma_fp8_variant=variant)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma")
     bf16 = list(rows.args(q_nope, q_rope))
     bf16[2], bf16[-1] = rows.bf16_arena(), torch.bfloat16
     want = md.mla_decode_triton(*bf16, kernel="wgmma")
@@ -160,15 +182,12 @@ def test_wgmma_fp8_kernel_equals_the_bf16_wgmma_kernel_on_the_dequantised_rows(f
     assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads, lens", WGMMA_CASES)
-def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_bf16_roundings(fmt, heads, lens,
-                                                                                                variant):
+def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_bf16_roundings(fmt, heads, lens):
     rows = Rows(fmt, 64, lens, seed=heads + 5)
     q_nope, q_rope = _queries(len(lens), heads, seed=10)
-    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma",
-                               wgmma_fp8_variant=variant).double().cpu()
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma").double().cpu()
     for b, values in enumerate(rows.dequantised):
         values = values.cpu()
         if values.shape[0] == 0:
@@ -181,13 +200,12 @@ def test_wgmma_fp8_kernel_equals_attention_over_the_dequantised_rows_within_its_
         assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt, variant):
+def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt):
     rows = Rows(fmt, 64, [1500, 700, 64, 3], seed=12)
     q_nope, q_rope = _queries(4, 32, seed=11)
     kv_len = rows.kv_len.clone()
-    run = functools.partial(md.mla_decode_triton, kernel="wgmma", wgmma_fp8_variant=variant)
+    run = functools.partial(md.mla_decode_triton, kernel="wgmma")
     out = run(*rows.args(q_nope, q_rope, kv_len))  # compiles before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -196,3 +214,35 @@ def test_wgmma_fp8_kernel_replays_in_a_cuda_graph(fmt, variant):
     kv_len.copy_(torch.tensor([1499, 1, 64, 0], dtype=torch.int32))
     graph.replay()
     assert torch.equal(out, run(*rows.args(q_nope, q_rope, kv_len)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_auto_takes_the_hopper_fp8_kernel_at_page_size_64_and_the_portable_one_elsewhere(fmt):
+    assert md.FP8_AUTO_WGMMA
+    for ps, lens, kernel in ((64, [1500, 3, 700], "wgmma"), (16, [1000, 37], "portable")):
+        rows = Rows(fmt, ps, lens, seed=ps)
+        q_nope, q_rope = _queries(len(lens), 32, seed=14)
+        got = torch.ops.unimem.mla_decode(*rows.args(q_nope, q_rope))
+        assert torch.equal(got, md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel=kernel)), (ps, kernel)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads, lens", WGMMA_CASES)
+def test_wgmma_fp8_f16_chain_equals_exact_attention_within_its_roundings(fmt, heads, lens):
+    rows = Rows(fmt, 64, lens, seed=heads + 7)
+    q_nope, q_rope = _queries(len(lens), heads, seed=15)
+    got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma", wgmma_fp8_f16=True)
+    assert bool(got.isfinite().all())
+    got = got.double().cpu()
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        if exact.shape[0] == 0:
+            assert not bool(got[b].any())
+            continue
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
+        vmax = float(exact[:, :R].abs().max())
+        # values within 2^-10 relative (their scores within d), f16 probabilities (2^-11), the bf16 output
+        d = SCALE * 2.0 ** -10 * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
+        bound = (2.0 ** -10 + 2.0 ** -11) * vmax + U * want.abs() + vmax * torch.expm1(2 * d)[:, None] + 1e-5 * vmax
+        assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))

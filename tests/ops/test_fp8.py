@@ -59,6 +59,61 @@ def test_every_code_decodes_to_torchs_value_bit_for_bit(fmt):
     assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))  # -0.0 included
 
 
+@triton.jit
+def _f16_bits_kernel(code_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, fp8.fp8_f16_bits(tl.load(code_ptr + i, mask=i < n)), mask=i < n)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_as_f16_bits_is_its_value_times_a_power_of_two_bit_for_bit(fmt):
+    # the Hopper fp8 kernel's integer-only e4m3 -> f16 (f16_values): one path for both formats, the power of
+    # two (2^-8 e4m3fn, 2^-7 e4m3fnuz) folded into the scale. Every finite code, subnormals and -0 included,
+    # in the interpreter and in plain torch; fp32 holds every f16 and e4m3 value exactly, so the products are
+    # exact and compared as bits
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(fmt).to(torch.float32)
+    k = fp8.F16_BITS_EXPONENT[fmt]
+    got = _launch(_f16_bits_kernel, codes, torch.empty(256, dtype=torch.float16))
+    assert torch.equal(got.view(torch.int16), fp8.codes_as_f16(codes).view(torch.int16))
+    finite = ~want.isnan()
+    assert int(finite.sum()) == (255 if fmt is FORMATS[1] else 254)
+    scaled = got.to(torch.float32) * 2.0 ** k
+    assert torch.equal(scaled[finite].view(torch.int32), want[finite].view(torch.int32))
+    # the NaN codes are not NaN here (the write never stores them for a finite tile): e4m3fn's +-0x7F read as
+    # +-480, e4m3fnuz's 0x80 as -0
+    nan_reads = {torch.float8_e4m3fn: {127: 480.0, 255: -480.0}, torch.float8_e4m3fnuz: {128: -0.0}}[fmt]
+    assert {i: float(scaled[i]) for i in torch.nonzero(~finite).flatten().tolist()} == nan_reads
+    # and the wrong power of two (the other format's) is wrong on every nonzero code
+    other = fp8.F16_BITS_EXPONENT[FORMATS[1] if fmt is FORMATS[0] else FORMATS[0]]
+    nonzero = finite & (want != 0)
+    assert not bool((got.to(torch.float32)[nonzero] * 2.0 ** other == want[nonzero]).any())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_f16_chain_dequantises_within_its_stated_bound_of_the_exact_values(fmt, gen):
+    # fp8.dequantize_f16 (the f16 chain's arithmetic: f16 code bits times f16(scale * 2^k), one f16 product)
+    # against the exact code x scale: within 2^-10 (1 + 2^-11) relative for tiles whose largest magnitude is
+    # above ~1.1e-4 (a normal f16 scale), plus f16's subnormal half step 2^-25 for values below 2^-14 (the
+    # subnormal codes of a small tile); tiles spanning 2^-6 .. 2^10 times randn, under f16's 65504
+    spec = MLASpec(L, 256, 32, fmt)
+    f = spec.row_format
+    mag = torch.exp2(torch.randint(-6, 11, (64, 1), generator=gen).float())
+    x = torch.randn(64, 256, generator=gen) * mag
+    rows = fp8.quantize_rows(x, torch.randn(64, 32, generator=gen), f)
+    codes = rows[:, :256].view(fmt).double()
+    scale = rows[:, f.scale_offset: f.rope_offset].contiguous().view(torch.float32).double()
+    exact = codes * scale.repeat_interleave(128, 1)
+    got = fp8.dequantize_f16(rows, f)
+    assert got.dtype == torch.float16 and got.shape == (64, 256)
+    got = got.double()
+    err = (got - exact).abs()
+    bound = 2.0 ** -10 * (1 + 2.0 ** -11) * exact.abs() + 2.0 ** -25
+    assert bool((err <= bound).all()), float((err - bound).max())
+    bf16 = fp8.dequantize_rows(rows, f)[:, :256].double()
+    assert float((bf16 - exact).abs().max()) > float(err.max())  # the f16 chain is the closer one here
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_encode_matches_torch_on_every_value_every_tie_and_random_values(fmt, gen):
     m = torch.finfo(fmt).max

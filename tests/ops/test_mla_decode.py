@@ -289,7 +289,6 @@ def test_kernel_choice_portable_on_cpu_and_explicit_wgmma_refused_where_it_does_
     ("merge_block_s", 0, "merge_block_s must be a power of two >= 1, got 0"),
     ("partial_dtype", torch.int32, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
     ("partial_dtype", torch.uint8, "partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.uint8"),
-    ("wgmma_fp8_variant", "fast", r"wgmma_fp8_variant must be one of \('serial', 'overlap'\), got 'fast'"),
 ])
 def test_tuning_knobs_out_of_range_raise_instead_of_computing_garbage(knob, value, message, gen):
     paged = Paged(16, [20, 5], torch.float32, gen)

@@ -139,7 +139,7 @@ class _Launched(Exception):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(fmt, gen, monkeypatch):
+def test_fp8_rows_take_the_hopper_kernel_by_name_and_by_auto_where_it_applies(fmt, gen, monkeypatch):
     from unimem_compile.ops import mla_decode_hopper as hop
 
     rows = Fp8Rows(fmt, 512, 64, 64, [70, 3], gen)
@@ -149,6 +149,7 @@ def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(
                                          rf"cpu, {fmt}, page_size 64, kv_lora_rank 512, qk_rope_head_dim 64"):
         md.mla_decode_triton(*args, kernel="wgmma")
     want = md.mla_decode_triton(*args, kernel="portable")
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # auto off sm_90: portable
     calls = []
 
     def launched(q_n, q_r, kv_rows, row_format, *rest, **kw):
@@ -157,9 +158,7 @@ def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(
 
     monkeypatch.setattr(md, "wgmma_supported", lambda *a: True)
     monkeypatch.setattr(md, "mla_decode_stage1_wgmma_fp8", launched)
-    assert not md.FP8_AUTO_WGMMA  # until a GPU run has checked and timed it (docs/ops.md)
-    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)  # auto: the portable fp8 kernel
-    assert not calls
+    assert md.FP8_AUTO_WGMMA  # 2x the portable fp8 kernel on the H200 (docs/ops.md)
     with pytest.raises(_Launched):
         md.mla_decode_triton(*args, kernel="wgmma", num_splits=3)
     kv_rows, row_format, rest, kw = calls[0]
@@ -168,24 +167,30 @@ def test_fp8_rows_take_the_hopper_kernel_by_name_and_auto_only_when_switched_on(
     assert kv_rows.data_ptr() == rows.pool.arena.data_ptr() and row_format == rows.fmt
     # qk_scale (base 2), max_tokens, layer_rows, page_size, layer_num, splits, block_h
     assert rest[6:] == (pytest.approx(SCALE * 1.4426950408889634), 2 * 64, LAYER * 64, 64, L, 3, 16)
-    assert kw == {"hw_fp8": fmt == torch.float8_e4m3fn, "stages": hop.WGMMA_STAGES, "variant": "serial"}
-    with pytest.raises(_Launched):  # the overlap form is asked for by name only (not yet run on a GPU)
-        md.mla_decode_triton(*args, kernel="wgmma", wgmma_fp8_variant="overlap")
-    assert calls[1][3]["variant"] == "overlap"
-    monkeypatch.setattr(md, "FP8_AUTO_WGMMA", True)
-    with pytest.raises(_Launched):
+    assert kw == {"hw_fp8": fmt == torch.float8_e4m3fn, "stages": hop.WGMMA_STAGES, "f16_values": False}
+    assert not hop.FP8_F16_VALUES  # the f16 chain: off until a GPU run times it
+    with pytest.raises(_Launched):  # auto, where the kernel applies
         md.mla_decode_triton(*args)
-    assert len(calls) == 3 and calls[2][3]["variant"] == hop.FP8_WGMMA_VARIANT == "serial"
+    assert len(calls) == 2 and calls[1][3] == kw
+    with pytest.raises(_Launched):
+        md.mla_decode_triton(*args, wgmma_fp8_f16=True)
+    assert calls[2][3] == dict(kw, f16_values=True)
+    with pytest.raises(ValueError, match=r"wgmma_fp8_f16 must be True or False, got 1$"):
+        md.mla_decode_triton(*args, wgmma_fp8_f16=1)
+    monkeypatch.setattr(md, "FP8_AUTO_WGMMA", False)  # the switch back: auto on the portable fp8 kernel
+    torch.testing.assert_close(md.mla_decode_triton(*args), want, atol=0, rtol=0)
+    torch.testing.assert_close(md.mla_decode_triton(*args, kernel="portable"), want, atol=0, rtol=0)
+    assert len(calls) == 3
 
 
-def test_the_overlap_form_refuses_a_ring_depth_other_than_two_and_unknown_forms_are_refused():
+def test_the_hopper_fp8_kernel_refuses_a_ring_depth_other_than_two_and_a_chain_that_is_not_a_bool():
     from unimem_compile.ops import mla_decode_hopper as hop
 
     for stages in (1, 3):  # checked before anything touches the (here absent) GPU
-        with pytest.raises(ValueError, match=rf"overlap variant needs stages == 2 .*got {stages}$"):
-            hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, stages=stages, variant="overlap")
-    with pytest.raises(ValueError, match=r"variant must be one of \('serial', 'overlap'\), got 'fast'$"):
-        hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, variant="fast")
+        with pytest.raises(ValueError, match=rf"fp8 kernel needs stages == 2 .*got {stages}$"):
+            hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, stages=stages)
+    with pytest.raises(ValueError, match=r"f16_values must be True or False, got 'yes'$"):
+        hop.mla_decode_stage1_wgmma_fp8(*[None] * 17, hw_fp8=True, f16_values="yes")
 
 
 def test_an_fp8_kernel_gluon_cannot_compile_falls_back_without_turning_off_the_bf16_one(gen, monkeypatch):
