@@ -135,8 +135,9 @@ def case(kv_dtype, q_dtype, ps=64, block_h=32):
                        dict(sizes, R_HALF=256, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32"), ns)
     return {"block_n": bn, "num_stages": ns, "shared": shared, "estimate": md.portable_smem_bytes(g, q_dtype, block_h, bn, ns)}
 
-cases = {"fp8 rows, fp32 q": (torch.float8_e4m3fn, torch.float32), "fp8 rows, bf16 q": (torch.float8_e4m3fn, torch.bfloat16),
-         "bf16 rows, fp32 q": (torch.bfloat16, torch.float32), "fp32 rows, fp32 q": (torch.float32, torch.float32)}
+# the two cases nearest the limit (each compile costs ~20 s of CI): the one that failed on the H200 and the
+# largest dense one (229,504 bytes at 64 x 2); the other pairs' estimates are below both (the tests above)
+cases = {"fp8 rows, fp32 q": (torch.float8_e4m3fn, torch.float32), "fp32 rows, fp32 q": (torch.float32, torch.float32)}
 print("RESULT " + json.dumps({name: case(*args) for name, args in cases.items()}), flush=True)
 '''
 
@@ -153,11 +154,10 @@ def compiled():
 
 
 def test_the_tiles_picked_for_an_h200_compile_within_its_shared_memory_and_the_estimate(compiled):
-    assert len(compiled) == 4
+    assert len(compiled) == 2
     for name, k in compiled.items():
         assert k["shared"] <= H200_SMEM, (name, k)
         assert k["shared"] <= k["estimate"], (name, k)  # the estimate is an upper bound
     # the case that failed on the H200 (255,104 bytes at 64 x 2): one stage fewer
     assert (compiled["fp8 rows, fp32 q"]["block_n"], compiled["fp8 rows, fp32 q"]["num_stages"]) == (64, 1)
-    for name in ("fp8 rows, bf16 q", "bf16 rows, fp32 q", "fp32 rows, fp32 q"):
-        assert (compiled[name]["block_n"], compiled[name]["num_stages"]) == (64, 2), name
+    assert (compiled["fp32 rows, fp32 q"]["block_n"], compiled["fp32 rows, fp32 q"]["num_stages"]) == (64, 2)
