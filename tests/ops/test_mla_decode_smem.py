@@ -135,9 +135,11 @@ def case(kv_dtype, q_dtype, ps=64, block_h=32):
                        dict(sizes, R_HALF=256, DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32"), ns)
     return {"block_n": bn, "num_stages": ns, "shared": shared, "estimate": md.portable_smem_bytes(g, q_dtype, block_h, bn, ns)}
 
-# the two cases nearest the limit (each compile costs ~20 s of CI): the one that failed on the H200 and the
-# largest dense one (229,504 bytes at 64 x 2); the other pairs' estimates are below both (the tests above)
-cases = {"fp8 rows, fp32 q": (torch.float8_e4m3fn, torch.float32), "fp32 rows, fp32 q": (torch.float32, torch.float32)}
+# the case that failed on the H200 only (its compile costs ~40 s of CI; the fp32-row one, 229,504 bytes compiled at
+# 64 x 2 against an estimate of 230,400, another ~20 s): fp8 / bf16 / fp32 rows with fp32 / bf16 queries compiled
+# within the estimate when the rule was written (fp8kern, 2026-12-02: 15 sm_90 compiles, the estimate 896 bytes to
+# 73 KiB above each)
+cases = {"fp8 rows, fp32 q": (torch.float8_e4m3fn, torch.float32)}
 print("RESULT " + json.dumps({name: case(*args) for name, args in cases.items()}), flush=True)
 '''
 
@@ -154,10 +156,9 @@ def compiled():
 
 
 def test_the_tiles_picked_for_an_h200_compile_within_its_shared_memory_and_the_estimate(compiled):
-    assert len(compiled) == 2
+    assert len(compiled) == 1
     for name, k in compiled.items():
         assert k["shared"] <= H200_SMEM, (name, k)
         assert k["shared"] <= k["estimate"], (name, k)  # the estimate is an upper bound
     # the case that failed on the H200 (255,104 bytes at 64 x 2): one stage fewer
     assert (compiled["fp8 rows, fp32 q"]["block_n"], compiled["fp8 rows, fp32 q"]["num_stages"]) == (64, 1)
-    assert (compiled["fp32 rows, fp32 q"]["block_n"], compiled["fp32 rows, fp32 q"]["num_stages"]) == (64, 2)
