@@ -39,10 +39,39 @@ def _config_geometry(path: str):
     return adapter.kv_spec, adapter.state_spec, f"{config.model_type} from {path}"
 
 
+def _kv_dtype(command: str, name: str):
+    """``--kv-dtype NAME`` of ``command`` as compile(kv_dtype=NAME) takes it: ``(torch dtype, None)``, or
+    ``(None, the error line)`` for a name that names no dtype or a dtype the MLA ops cannot store (the same
+    refusals as compile(), before anything is built)."""
+    from .options import kv_dtype_of
+    from .pool.specs import KERNEL_KV_DTYPES
+
+    try:
+        dtype = kv_dtype_of(name)
+    except TypeError as e:
+        return None, f"unimem-compile {command}: --kv-dtype: {e}"
+    if dtype not in KERNEL_KV_DTYPES:
+        return None, (f"unimem-compile {command}: --kv-dtype {name!r} is {str(dtype).replace('torch.', '')}, which "
+                      "the MLA ops cannot store; accepted: " + ", ".join(
+                          str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES) + " (or bf16, fp16, fp32, fp8_e4m3)")
+    return dtype, None
+
+
+#: the help of every command's --kv-dtype, after what it sets
+KV_DTYPE_HELP = ("bf16, fp16, fp32, fp8_e4m3 (= fp8_e4m3fn, OCP e4m3), fp8_e4m3fnuz, or any other name "
+                 "compile(kv_dtype=...) takes (bfloat16, float8_e4m3fn, torch.float16, ...)")
+
+
 def _pool_info(args: argparse.Namespace) -> int:
     from .errors import GeometryError, UnsupportedModel
     from .pool import geometry, pool_info
 
+    kv_dtype = None
+    if args.kv_dtype is not None:
+        kv_dtype, error = _kv_dtype("pool-info", args.kv_dtype)
+        if error:
+            print(error, file=sys.stderr)
+            return 2
     if not 0 < args.budget_gib < math.inf:
         print(f"unimem-compile pool-info: --budget-gib must be a positive, finite number of GiB, got "
               f"{args.budget_gib:g}", file=sys.stderr)
@@ -67,10 +96,8 @@ def _pool_info(args: argparse.Namespace) -> int:
         args.geometry = name
     else:
         kv, state = geometry(args.geometry)
-    if args.kv_dtype is not None and kv is not None:
-        from .options import kv_dtype_of
-
-        kv = dataclasses.replace(kv, dtype=kv_dtype_of(args.kv_dtype))
+    if kv_dtype is not None and kv is not None:
+        kv = dataclasses.replace(kv, dtype=kv_dtype)
     try:
         if args.tp is None:
             info = pool_info(kv, state, budget, args.page_size, geometry_name=args.geometry)
@@ -132,6 +159,11 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoArgumentError, format_report, run_demo
 
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.kv_dtype is not None:
+        _, error = _kv_dtype("demo", args.kv_dtype)
+        if error:
+            print(error, file=sys.stderr)
+            return 2
     _show_compile_log()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("unimem-compile demo: --device cuda but CUDA is not available", file=sys.stderr)
@@ -173,19 +205,9 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.kv_dtype is not None:
-        from .options import kv_dtype_of
-        from .pool.specs import KERNEL_KV_DTYPES
-
-        try:
-            kv_dtype = kv_dtype_of(args.kv_dtype)
-        except TypeError as e:
-            print(f"unimem-compile serve: --kv-dtype: {e}", file=sys.stderr)
-            return 2
-        if kv_dtype not in KERNEL_KV_DTYPES:
-            print(f"unimem-compile serve: --kv-dtype {args.kv_dtype!r} is {str(kv_dtype).replace('torch.', '')}, "
-                  "which the MLA ops cannot store; accepted: " + ", ".join(
-                      str(d).replace("torch.", "") for d in KERNEL_KV_DTYPES) + " (or bf16, fp16, fp32, fp8_e4m3)",
-                  file=sys.stderr)
+        _, error = _kv_dtype("serve", args.kv_dtype)
+        if error:
+            print(error, file=sys.stderr)
             return 2
     import torch
 
@@ -204,7 +226,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .options import SHORT_DTYPE_NAMES
     from .pool import GEOMETRIES
 
     import torch
@@ -231,10 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(torch._dynamo.list_backends(exclude_tags=())))
     d.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default 16: the demo's prompts are short; compile() defaults to 64)")
-    d.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
-                   help="the compiled model's KV dtype (default: the model's); fp8_e4m3 (= fp8_e4m3fn) or "
-                        "fp8_e4m3fnuz: scaled fp8 rows, parity then compares teacher-forced logits with stock "
-                        "transformers'")
+    d.add_argument("--kv-dtype", default=None,
+                   help="the compiled model's KV dtype (default: the model's): " + KV_DTYPE_HELP + "; an fp8 one: "
+                        "scaled fp8 rows, parity then compares teacher-forced logits with stock transformers'")
     d.add_argument("--no-passes", action="store_true", help="compile without the graph rewrites")
     d.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for decode (default: on for CUDA, off elsewhere)")
@@ -250,9 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "offline) instead of --geometry")
     p.add_argument("--budget-gib", type=float, default=40.0, help="arena size in GiB (default 40)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
-    p.add_argument("--kv-dtype", default=None, choices=list(SHORT_DTYPE_NAMES),
-                   help="KV dtype of the geometry's MLA rows (default: the geometry's, bf16); fp8_e4m3 sizes "
-                        "scaled fp8 rows (656 bytes per token and layer at 512 + 64)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="KV dtype of the geometry's MLA rows (default: the geometry's, bf16): " + KV_DTYPE_HELP
+                        + "; an fp8 one sizes scaled fp8 rows (656 bytes per token and layer at 512 + 64)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree: the figures of ONE rank's arena of --budget-gib (full latent rows, "
                         "1/N of the KDA heads' states); the JSON gains the key tp")
@@ -282,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-budget", type=float, default=None,
                    help="arena bytes (> 1) or a fraction in (0, 1] of free device memory (default: compile()'s)")
     s.add_argument("--kv-dtype", default=None,
-                   help="dtype of the cached latent rows (default: the model's): bf16, fp16, fp32, fp8_e4m3, "
-                        "fp8_e4m3fnuz or any other name compile(kv_dtype=...) takes; checked before listening")
+                   help="dtype of the cached latent rows (default: the model's): " + KV_DTYPE_HELP
+                        + "; checked before listening")
     s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     s.add_argument("--backend", default="inductor", help="inner torch.compile backend (default inductor)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")

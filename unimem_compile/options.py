@@ -33,10 +33,14 @@ def _backend_names() -> tuple[str, ...]:
 
 def kv_dtype_of(kv_dtype) -> torch.dtype | None:
     """``kv_dtype`` as a torch dtype: a dtype, its name as transformers' ``dtype=`` takes it ("bfloat16",
-    "torch.bfloat16", "float8_e4m3fn") or a short name of :data:`SHORT_DTYPE_NAMES` ("bf16", "fp8_e4m3"),
-    or None. TypeError for anything else (the message lists the short names)."""
+    "torch.bfloat16", "float8_e4m3fn"), a short name of :data:`SHORT_DTYPE_NAMES` ("bf16", "fp8_e4m3") or
+    ``fp8_<format>`` for torch's ``float8_<format>`` ("fp8_e5m2": a dtype, which ``compile()`` then refuses
+    as a format the ops cannot store, listing those they can), or None. TypeError for anything else (the
+    message lists the short names)."""
     if isinstance(kv_dtype, str):
         name = SHORT_DTYPE_NAMES.get(kv_dtype, kv_dtype.removeprefix("torch."))
+        if name.startswith("fp8_") and isinstance(getattr(torch, "float8_" + name[4:], None), torch.dtype):
+            name = "float8_" + name[4:]  # a spelling hint for a real format would send the caller astray
         if not isinstance(getattr(torch, name, None), torch.dtype):
             fp8 = " (fp8 is spelled 'fp8_e4m3')" if kv_dtype.lower().startswith(("fp8", "float8")) else ""
             raise TypeError(f"kv_dtype {kv_dtype!r} does not name a torch dtype{fp8}; accepted: a torch dtype, its "

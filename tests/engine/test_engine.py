@@ -394,6 +394,90 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
     assert_idle(model, manager)
 
 
+def test_bad_eos_ids_and_an_empty_request_id_are_refused_and_the_others_go_on(pair):
+    """An EOS id outside the vocabulary can never be generated (the request silently ran to max_new_tokens),
+    an empty list silently dropped the generation config's EOS ids, and request_id="" was queued under that
+    falsy id; each raises now, naming the argument and the numbers, with nothing queued."""
+    stock, model = pair
+    vocab = model.config.vocab_size
+    p, q = prompts([9, 12], seed=15, vocab=vocab)
+    ref_q = reference(stock, q, 8)
+    manager = model.init_continuous_batching()
+    good = manager.add_request(p, max_new_tokens=5)
+    for bad, shown in ((vocab, f"eos_token_id holds {vocab}, outside the vocabulary [0, {vocab})"),
+                       ([7, vocab + 40], f"eos_token_id holds {vocab + 40}, outside the vocabulary [0, {vocab})"),
+                       (-1, f"eos_token_id holds -1, outside the vocabulary [0, {vocab})"),
+                       (torch.tensor([3, -2]), f"eos_token_id holds -2, outside the vocabulary [0, {vocab})"),
+                       ([], "eos_token_id is an empty list: give at least one id, or None for the generation "
+                            "config's"),
+                       (torch.tensor([], dtype=torch.long), "eos_token_id is an empty list"),
+                       (2.0, "eos_token_id must be a list of token ids, got float"),
+                       ([3, 4.5], "eos_token_id must hold ints, got float 4.5")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            manager.add_request(q, max_new_tokens=8, eos_token_id=bad)
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            manager.add_requests([q], max_new_tokens=8, eos_token_id=bad)
+    with pytest.raises(ValueError, match=re.escape('request_id is an empty string: give a non-empty str, or None '
+                                                   'for an automatic id req_<n>')):
+        manager.add_request(q, request_id="", max_new_tokens=8)
+    assert manager.metrics()["waiting"] == 1 and "" not in manager._known
+    # the largest id is in the vocabulary; numpy and 0-d tensor ids are ids, as generate() takes them
+    eos = ref_q[3]
+    ids = [manager.add_request(q, max_new_tokens=8, eos_token_id=e)
+           for e in (np.int64(eos), torch.tensor(eos), [vocab - 1, eos], (eos,))]
+    results = drain(manager)
+    assert results[good].generated_tokens == reference(stock, p, 5)
+    for rid in ids:
+        assert results[rid].generated_tokens == reference(stock, q, 8, eos), rid
+        assert results[rid].generated_tokens[-1] == eos
+    assert_idle(model, manager)
+
+
+def test_a_config_edited_between_requests_applies_to_the_next_and_overrides_never_leak(pair, monkeypatch):
+    """add_request resolves the generation config once and copies it per request (a deep copy and
+    transformers' resolution per request cost ~300 us on a server's event-loop thread); an edit of the
+    manager's or the model's config, in place or by replacing it, still applies to the next request, and one
+    request's settings never reach another's."""
+    _, model = pair
+    (p,) = prompts([6], seed=16, vocab=model.config.vocab_size)
+    mine = GenerationConfig(max_new_tokens=7, eos_token_id=[5, 6])
+    manager = model.init_continuous_batching(generation_config=mine)
+    resolutions = []
+    resolve = model._prepare_generation_config
+    monkeypatch.setattr(model, "_prepare_generation_config", lambda *a, **k: resolutions.append(1) or resolve(*a, **k))
+
+    def queued(**kwargs):
+        manager.add_request(p, **kwargs)
+        return manager._inbox[-1].settings
+
+    first = queued()
+    assert (first.max_new_tokens, first.eos_token_ids, first.pad_token_id, first.do_sample) == (7, (5, 6), 0, False)
+    sampled = queued(do_sample=True, temperature=0.5, top_k=9, max_new_tokens=3, eos_token_id=11, seed=2)
+    assert (sampled.do_sample, sampled.temperature, sampled.top_k, sampled.max_new_tokens) == (True, 0.5, 9, 3)
+    assert sampled.eos_token_ids == (11,)
+    again = queued()
+    assert again == first and mine.do_sample is None and mine.eos_token_id == [5, 6]  # the caller's, untouched
+    assert len(resolutions) == 1  # three requests, one resolution
+    mine.max_new_tokens = 4  # a field rebound
+    assert queued().max_new_tokens == 4
+    mine.eos_token_id.append(9)  # a list field changed in place
+    assert queued().eos_token_ids == (5, 6, 9)
+    saved_model_config = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(pad_token_id=3, eos_token_id=2)  # the model's, replaced
+        assert queued().pad_token_id == 3
+        model.generation_config.pad_token_id = 4  # ... and edited in place
+        assert queued().pad_token_id == 4
+    finally:
+        model.generation_config = saved_model_config
+    assert queued().pad_token_id == 0
+    manager.generation_config = GenerationConfig(max_new_tokens=2)  # the manager's, replaced
+    assert queued().max_new_tokens == 2
+    manager.stop(hard_stop=True)
+    assert {r.error for r in drain(manager).values()} == {"cancelled"}
+    assert_idle(model, manager)
+
+
 def test_generate_batch_refuses_what_is_not_a_list_of_prompts(pair):
     """A tokenizer's 2-D batch used to raise torch's "Boolean value of Tensor ... is ambiguous", one flat
     prompt "input_ids must be a list of token ids, got int" (it is one); each now says what to pass."""

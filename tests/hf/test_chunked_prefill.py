@@ -14,7 +14,9 @@ unpadded case (two more graphs) runs for DeepSeek-V3 only.
 """
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,13 +207,50 @@ def test_prefill_pieces_follow_the_tokens_present_and_the_workspace(pair, monkey
     assert max(p[0][2] for p in plans) == 6  # 87 stored tokens: 6 pieces, not ceil(3 * 96 / 16) = 18
 
 
+def test_a_numpy_or_tensor_integer_chunk_size_chunks_as_its_int(pair):
+    """prefill_chunk_size=np.int64(n) (from a config computed with numpy, say) used to be refused ("must be an
+    int"); transformers itself fails on it in torch.split. Given as a keyword, in a passed generation_config
+    or in the model's, it is handed on as the int n: the same tokens, the same chunks (as many prefill
+    forwards), as with n."""
+    from transformers import GenerationConfig
+
+    stock, model, _ = pair
+    ids, mask = prompts([37, 21, 30], seed=31)
+    want = greedy(stock, ids, mask)
+    calls = []  # the query length of every forward that transformers' loop calls (the prefill chunks)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kw: calls.append((kw["input_ids"] if "input_ids" in kw else args[0]).shape[1]),
+        with_kwargs=True)
+    try:
+        assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=20), want)
+        chunks = list(calls)
+        assert chunks[:2] == [20, 17]
+        for kw in ({"prefill_chunk_size": np.int64(20)}, {"prefill_chunk_size": torch.tensor(20)},
+                   {"generation_config": GenerationConfig(prefill_chunk_size=np.int32(20), max_new_tokens=NEW,
+                                                          min_new_tokens=NEW, do_sample=False)}):
+            calls.clear()
+            assert torch.equal(greedy(model, ids, mask, **kw), want), kw
+            assert calls == chunks, kw
+        saved = model.generation_config.prefill_chunk_size
+        model.generation_config.prefill_chunk_size = np.int64(20)
+        try:
+            calls.clear()
+            assert torch.equal(greedy(model, ids, mask), want)
+            assert calls == chunks
+        finally:
+            model.generation_config.prefill_chunk_size = saved
+    finally:
+        hook.remove()
+    assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
 def test_chunk_sizes_and_continuations_transformers_cannot_chunk_are_refused(pair, monkeypatch):
     from unimem_compile.hf import generate_checks
 
     _, model, _ = pair
     ids, mask = prompts([8, 6, 7], seed=30)
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=f"prefill_chunk_size must be an int >= 1, got {bad!r}"):
+    for bad in (0, -3, 2.5, 4.0, True, np.int64(0), "4"):
+        with pytest.raises(ValueError, match=re.escape(f"prefill_chunk_size must be an int >= 1, got {bad!r}")):
             greedy(model, ids, mask, prefill_chunk_size=bad)
     empty = mask.clone()
     empty[1] = 0

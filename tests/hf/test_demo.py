@@ -58,6 +58,34 @@ def test_demo_refuses_bad_arguments_before_running_anything(args, message, capsy
     assert message in capsys.readouterr().err
 
 
+def test_demo_kv_dtype_takes_every_name_compile_takes_and_refuses_what_it_refuses(capsys, monkeypatch):
+    """--kv-dtype used to take only the short names (choices=bf16, ..., fp8_e4m3fnuz); compile() also takes
+    torch's dtype names. A name compile() refuses exits 2 with one line, before any model is built."""
+    import torch
+
+    import unimem_compile.demo as demo
+    from unimem_compile.options import kv_dtype_of
+
+    asked = []
+    monkeypatch.setattr(demo, "run_demo", lambda *a, kv_dtype=None, **k: asked.append(kv_dtype) or _report(a[0], a[1]))
+    names = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+             "torch.bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+    for name in names:
+        assert main(["demo", "--kv-dtype", name, "--json"]) == 0, capsys.readouterr().err
+    assert [kv_dtype_of(n) for n in asked] == list(names.values())
+    capsys.readouterr()
+    for name, line in (("fp8_e5m2", "unimem-compile demo: --kv-dtype 'fp8_e5m2' is float8_e5m2, which the MLA ops "
+                                    "cannot store; accepted: bfloat16, float16, float32, float8_e4m3fn, "
+                                    "float8_e4m3fnuz"),
+                       ("int8", "--kv-dtype 'int8' is int8, which the MLA ops cannot store"),
+                       ("fp8", "unimem-compile demo: --kv-dtype: kv_dtype 'fp8' does not name a torch dtype (fp8 is "
+                               "spelled 'fp8_e4m3')")):
+        assert main(["demo", "--kv-dtype", name]) == 2
+        err = capsys.readouterr().err
+        assert line in err and err.count("\n") == 1, err
+    assert len(asked) == len(names)  # nothing ran for a refused name
+
+
 def _report(model, device):
     """A demo result of ``model`` on ``device`` as run_demo returns it, with made-up figures."""
     return {"model": model, "device": device, "dtype": "float32", "torch": "2.13", "transformers": "5.24",

@@ -297,11 +297,14 @@ def test_hidden_states_and_attentions_are_refused_by_name_with_nothing_leaked(sm
 
 
 def test_cache_dtypes_the_ops_cannot_compute_in_are_refused_at_compile():
-    for dtype in (torch.float8_e5m2, torch.int8):
+    # "fp8_e5m2" names a real format: it used to get the spelling hint "fp8 is spelled 'fp8_e4m3'"
+    for kv_dtype, dtype in ((torch.float8_e5m2, torch.float8_e5m2), (torch.int8, torch.int8),
+                            ("fp8_e5m2", torch.float8_e5m2), ("fp8_e5m2fnuz", torch.float8_e5m2fnuz),
+                            ("float8_e5m2", torch.float8_e5m2)):
         with pytest.raises(GeometryError, match=f"kv_dtype {dtype} is not supported.*bfloat16, float16, float32, "
                                                 "float8_e4m3fn, float8_e4m3fnuz"):
             unimem_compile.compile(build_model("kimi-linear-tiny"), max_batch_size=1, max_seq_len=16,
-                                   kv_dtype=dtype, backend="aot_eager")
+                                   kv_dtype=kv_dtype, backend="aot_eager")
 
 
 def test_a_numpy_integer_budget_is_bytes():

@@ -86,6 +86,29 @@ def test_pool_info_sizes_fp8_rows_with_the_same_keys(capsys):
     assert "float8_e4m3fnuz, 656 bytes per token per layer" in capsys.readouterr().out
 
 
+def test_pool_info_kv_dtype_takes_every_name_compile_takes_and_refuses_what_it_refuses(capsys):
+    """--kv-dtype used to take only the short names; compile()'s torch dtype names size the same rows, and a
+    format compile() refuses (fp8_e5m2, which had a spelling hint: it is a real format) exits 2 with one line."""
+    for short, names in (("fp8_e4m3", ("float8_e4m3fn", "torch.float8_e4m3fn", "fp8_e4m3fn")),
+                         ("fp8_e4m3fnuz", ("float8_e4m3fnuz",)), ("bf16", ("bfloat16", "torch.bfloat16")),
+                         ("fp32", ("float32", "float"))):
+        assert main(["pool-info", "--kv-dtype", short, "--json"]) == 0
+        want = json.loads(capsys.readouterr().out)
+        for name in names:
+            assert main(["pool-info", "--kv-dtype", name, "--json"]) == 0, capsys.readouterr().err
+            assert json.loads(capsys.readouterr().out) == want, name
+    assert want["page_bytes"] == 64 * 7 * 576 * 4
+    for name, line in (("fp8_e5m2", "unimem-compile pool-info: --kv-dtype 'fp8_e5m2' is float8_e5m2, which the MLA "
+                                    "ops cannot store; accepted: bfloat16, float16, float32, float8_e4m3fn, "
+                                    "float8_e4m3fnuz"),
+                       ("float8_e5m2", "--kv-dtype 'float8_e5m2' is float8_e5m2, which the MLA ops cannot store"),
+                       ("bfloat17", "unimem-compile pool-info: --kv-dtype: kv_dtype 'bfloat17' does not name a torch "
+                                    "dtype;")):
+        assert main(["pool-info", "--kv-dtype", name, "--json"]) == 2
+        captured = capsys.readouterr()
+        assert line in captured.err and captured.err.count("\n") == 1 and captured.out == "", captured.err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--page-size", "0"], "--page-size must be a positive number of tokens, got 0"),
     (["--budget-gib", "-1"], "--budget-gib must be a positive, finite number of GiB, got -1"),

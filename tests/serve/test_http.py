@@ -135,6 +135,18 @@ def test_n_choices_and_a_prompt_list_get_one_engine_request_each(live):
     ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
     ({"prompt": "x"}, "model", ["required"]),
     ({"model": "fake", "prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", ["4", "(3)"]),
+    # a mixed prompt list: pydantic's union message was "Input should be a valid string; or ... integer; or ..."
+    ({"model": "fake", "prompt": ["a", [5, 6]]}, "prompt", [
+        "prompt: a prompt is a string, a list of strings, a list of token ids or a list of token-id lists, not a "
+        "mix: item 0 is a string and item 1 a token-id list (got ['a', [5, 6]])"]),
+    ({"model": "fake", "prompt": [[5], [6], 7, "z"]}, "prompt", ["not a mix: item 0 is a token-id list and item 2 a "
+                                                                 "token id"]),
+    ({"model": "fake", "prompt": "x", "logit_bias": {"50": 0, "7": 1.5}}, "logit_bias", [
+        "not supported by this server (got {'50': 0.0, '7': 1.5}; only an empty map or a bias of 0 for every "
+        "token is accepted)"]),
+    ({"model": "fake", "prompt": "x", "logit_bias": {"-3": 0}}, "logit_bias", ["the key '-3' is not a token id"]),
+    # the server takes no per-request EOS ids (the model's generation config gives them)
+    ({"model": "fake", "prompt": "x", "eos_token_id": [5]}, "eos_token_id", ["unrecognized request argument"]),
 ])
 def test_bad_completion_bodies_get_400_naming_the_field_and_numbers(live, body, param, words):
     engine, _, server = live
@@ -144,6 +156,20 @@ def test_bad_completion_bodies_get_400_naming_the_field_and_numbers(live, body, 
     for w in words:
         assert w in err["message"], err["message"]
     assert len(engine.submitted) == before  # nothing reached the engine
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_logit_bias_of_zeros_is_a_no_op_and_accepted(live, path, body):
+    """A bias of 0 for every token changes nothing, so it is accepted like an empty map (it used to be refused
+    as unsupported); the request reaches the engine exactly as without it."""
+    engine, _, server = live
+    plain = _post(server, path, {"model": "fake", "max_tokens": 6, **body})
+    zeros = _post(server, path, {"model": "fake", "max_tokens": 6, "logit_bias": {"50": 0, "1023": -0.0}, **body})
+    assert plain.status_code == zeros.status_code == 200, zeros.text
+    assert [c.get("text", c.get("message")) for c in plain.json()["choices"]] == \
+        [c.get("text", c.get("message")) for c in zeros.json()["choices"]]
+    assert engine.submitted[-1] == engine.submitted[-2]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

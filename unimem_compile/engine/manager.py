@@ -128,6 +128,7 @@ class ContinuousBatchingManager:
         self._streaming: dict[str, bool] = {}
         self._timestamps: dict[str, bool] = {}
         self._sent: dict[str, int] = {}  # streaming request id -> tokens in its last output
+        self._resolved = None  # _resolved_config's cache: (base, model config, their fields, resolved config)
 
     # ------------------------------------------------------------------ control
     def is_running(self) -> bool:
@@ -198,14 +199,15 @@ class ContinuousBatchingManager:
             input_ids: the prompt (a list of ints, or a 1-D integer tensor), at least one token, each in
                 ``[0, vocab_size)``.
             request_id: its id (default ``req_<n>``, ``n`` counting the accepted requests that took an
-                automatic id: a refused request takes none, and an id a caller chose is skipped); must not be
-                in use (queued, running, or its final result not taken yet).
+                automatic id: a refused request takes none, and an id a caller chose is skipped); a non-empty
+                str, not in use (queued, running, or its final result not taken yet).
             max_new_tokens: default: the generation config's (then generate()'s default of 20).
             streaming: every engine step that adds tokens also yields a result (cumulative tokens,
                 status DECODING), the last one FINISHED.
             record_timestamps: the result's ``timestamps`` gets each token's time (``perf_counter``; the
                 tokens of one decode block share a time).
-            eos_token_id: an id or a list of ids (default: the generation config's).
+            eos_token_id: an id or a non-empty list of ids, each in ``[0, vocab_size)`` (default: the
+                generation config's).
             **kwargs: per-request settings, :data:`REQUEST_SETTINGS` only: ``do_sample``, ``temperature``,
                 ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens``, ``pad_token_id``,
                 ``seed`` (int; default: drawn from torch's default generator), ``stop_sequences`` (a list of
@@ -213,8 +215,9 @@ class ContinuousBatchingManager:
 
         Raises:
             RuntimeError: after :meth:`stop`. QueueFull: ``max_queue`` requests wait.
-            ValueError: an empty prompt, a token id outside the vocabulary, ``max_new_tokens <= 0``, a
-                request id in use, an unknown keyword (named), a setting out of range.
+            ValueError: an empty prompt, a token id outside the vocabulary, ``max_new_tokens <= 0``, an empty
+                request id or one in use, an ``eos_token_id`` that is an empty list or holds an id outside the
+                vocabulary, an unknown keyword (named), a setting out of range.
             GeometryError: prompt + ``max_new_tokens`` above ``max_seq_len``, or more than the arena could
                 ever hold for one request (the sizes are in the message).
             UnsupportedGenerationSetting: a setting the decode runner does not apply (named).
@@ -452,6 +455,9 @@ class ContinuousBatchingManager:
         # an automatic id is taken only once the request is accepted (add_request), so messages name none
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        if request_id == "":  # it was queued under "" and its result delivered under that falsy id
+            raise ValueError("request_id is an empty string: give a non-empty str, or None for an automatic id "
+                             "req_<n>")
         label = "the request" if request_id is None else f"request {request_id!r}"
         if max_new_tokens is not None:  # numpy and 0-d tensor ints too, as generate() takes them
             try:
@@ -466,6 +472,8 @@ class ContinuousBatchingManager:
         if any(not s for s in stop_sequences):
             raise ValueError("stop_sequences holds an empty sequence")
         seed = kwargs.pop("seed", None)
+        if eos_token_id is not None:
+            eos_token_id = _eos_ids(eos_token_id, self.vocab_size)
         settings = self._settings(prompt, max_new_tokens, eos_token_id, kwargs, seed)
         handle = self.model.unimem
         total = len(prompt) + settings.max_new_tokens
@@ -491,7 +499,9 @@ class ContinuousBatchingManager:
         if eos_token_id is not None:
             overrides["eos_token_id"] = eos_token_id
         default_max_length = (base.max_length is None and getattr(model.generation_config, "max_length", None) is None)
-        config, _ = model._prepare_generation_config(copy.deepcopy(base))
+        # a shallow copy of generate()'s resolution of the two configs, made once (update() rebinds fields,
+        # it never mutates a shared value): resolving them per request cost ~250 us on the caller's thread
+        config = copy.copy(self._resolved_config())
         unused = config.update(**overrides)  # after the defaults: the request's settings win
         if unused:
             raise ValueError(f"add_request does not take {sorted(unused)}")
@@ -517,6 +527,32 @@ class ContinuousBatchingManager:
         return settings
 
 
+    def _resolved_config(self):
+        """``model._prepare_generation_config(generation_config)``: the manager's config filled from the model's
+        and transformers' defaults, as generate() resolves it. Resolved again whenever either config object
+        was replaced or one of its fields changed since (a snapshot of their fields, compared by value), so a
+        config edited between two requests applies to the second, as it did when every request resolved it.
+        Callers copy it before changing it."""
+        base, model_config = self.generation_config, self.model.generation_config
+        cached = self._resolved
+        if (cached is not None and cached[0] is base and cached[1] is model_config
+                and _same_fields(base, cached[2]) and _same_fields(model_config, cached[3])):
+            return cached[4]
+        resolved, _ = self.model._prepare_generation_config(base)  # deep-copies base before filling it in
+        self._resolved = (base, model_config, copy.deepcopy(vars(base)), copy.deepcopy(vars(model_config)),
+                          resolved)
+        return resolved
+
+
+def _same_fields(config, snapshot: dict) -> bool:
+    """Whether ``config``'s fields equal ``snapshot`` (a deep copy of them); False when they cannot be
+    compared (a tensor-valued field), so the config is resolved again rather than trusted."""
+    try:
+        return bool(vars(config) == snapshot)
+    except Exception:  # noqa: BLE001 - e.g. "Boolean value of Tensor with more than one value is ambiguous"
+        return False
+
+
 def _prompt_list(inputs, where: str) -> list:
     """``inputs`` of ``add_requests`` / ``generate_batch`` as a list of prompts; ValueError naming what was
     passed instead (a padded 2-D batch, one flat prompt, text), which would otherwise fail obscurely or
@@ -534,6 +570,28 @@ def _prompt_list(inputs, where: str) -> list:
         raise ValueError(f"{where} takes a list of prompts, got one list of {len(inputs)} token ids: wrap a "
                          "single prompt as [prompt]")
     return inputs
+
+
+def _eos_ids(value, vocab_size: int) -> int | list[int]:
+    """A request's ``eos_token_id`` checked: one id (an int, a numpy int, a 0-d integer tensor) or a non-empty
+    list / 1-D tensor of ids, each in ``[0, vocab_size)``; returned as an int or a list of ints.
+
+    Raises:
+        ValueError: an empty list (it would silently drop the generation config's EOS ids, which None keeps),
+            an id outside the vocabulary (the model can never generate it, so it would never end the request),
+            anything but integers."""
+    if not isinstance(value, (bool, list, tuple, torch.Tensor)) and hasattr(value, "__index__") or (
+            isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()):
+        ids, single = [as_int(value, "eos_token_id")], True
+    else:
+        ids, single = _token_list(value, "eos_token_id"), False
+    if not ids:
+        raise ValueError("eos_token_id is an empty list: give at least one id, or None for the generation config's")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"eos_token_id holds {bad}, outside the vocabulary [0, {vocab_size}): the model never "
+                         "generates it")
+    return ids[0] if single else ids
 
 
 def _token_list(values, what: str) -> list[int]:

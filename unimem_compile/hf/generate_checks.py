@@ -182,11 +182,16 @@ def _transformers_version() -> tuple[int, ...]:
     return Version(transformers.__version__).release[:2]
 
 
-def _check_prefill_chunks(chunk, cache: UnifiedCache | None, mask) -> None:
-    """A ``prefill_chunk_size`` this model can run: a positive int; on transformers before 5.21 not on a cache
+def _check_prefill_chunks(chunk, cache: UnifiedCache | None, mask) -> int:
+    """A ``prefill_chunk_size`` this model can run, returned as a Python int: a positive integer (a Python or
+    numpy int, a 0-d integer tensor; not a bool, not a float); on transformers before 5.21 not on a cache
     that holds tokens; no prompt row of padding only (the cache cannot tell it from a row whose pads run
     into a later chunk, so it is checked here, on the whole mask: one host read of it)."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    try:
+        size = as_int(chunk, "prefill_chunk_size")
+    except TypeError:  # a bool, a float, a string
+        size = 0
+    if size < 1:
         raise ValueError(f"prefill_chunk_size must be an int >= 1, got {chunk!r}")
     if cache is not None and cache.logical_len and _transformers_version() < CHUNKED_CONTINUATION_FROM:
         import transformers
@@ -199,6 +204,7 @@ def _check_prefill_chunks(chunk, cache: UnifiedCache | None, mask) -> None:
         empty = torch.nonzero(~mask.bool().any(-1)).reshape(-1).tolist()
         if empty:
             raise GeometryError(f"row {empty[0]} of the batch consists of padding only ({mask.shape[1]} pads)")
+    return size
 
 
 def _describe(value) -> str:
@@ -279,7 +285,8 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
             ``max_length`` that is not an int (``2.5``, say).
         ValueError: ``input_ids`` that are not a 2-D tensor; no ``input_ids`` and no ``bos_token_id`` (a call
             without ``input_ids`` starts from the BOS token, as stock transformers does); a token id outside
-            the input embedding's ``[0, vocab_size)``; a ``prefill_chunk_size`` that is not an int >= 1.
+            the input embedding's ``[0, vocab_size)``; a ``prefill_chunk_size`` that is not an integer >= 1
+            (a numpy or 0-d tensor integer is taken, and handed to transformers as a Python int).
         GeometryError: ``input_ids`` without tokens; more rows than ``max_batch_size``; a passed cache of
             another row count; a prompt + new tokens longer than ``max_seq_len``; with
             ``prefill_chunk_size``, a prompt row of padding only.
@@ -343,8 +350,11 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
                                "compiled by unimem_compile: it crops rejected draft tokens off the cache, which "
                                "a UnifiedCache cannot undo; use greedy decoding or sampling")
     chunk = setting("prefill_chunk_size", None)
+    chunk_size = None  # set when the call's value must reach transformers as a Python int
     if chunk is not None:
-        _check_prefill_chunks(chunk, given, kwargs.get("attention_mask"))
+        size = _check_prefill_chunks(chunk, given, kwargs.get("attention_mask"))
+        if type(chunk) is not int:  # transformers hands it to torch.split, which takes a Python int only
+            chunk_size = size
     if setting("use_cache", True) is False:
         raise UnsupportedModel("use_cache=False is not supported: a model compiled by unimem_compile always "
                                "decodes from its UnifiedCache")
@@ -366,13 +376,20 @@ def check_generate_call(handle: UnimemHandle, model, args: tuple, kwargs: dict) 
                                "unimem_compile.compile() built its pool and graphs; compile a fresh model "
                                "object in the dtype you want (or cast it back)")
     pad = setting("pad_token_id", None) if kwargs.get("attention_mask") is None else None
+    # an integral prefill_chunk_size goes where it came from as an int: the call's keyword, else the config it
+    # passes (a copy), else a keyword over the model's config
+    chunk_in_config = chunk_size is not None and kwargs.get("prefill_chunk_size") is None and config is not None
+    if chunk_size is not None and not chunk_in_config:
+        kwargs["prefill_chunk_size"] = chunk_size
     # transformers must not compile __call__ behind our back; set on the caller's generation_config when
     # there is one (a keyword beside a generation_config makes transformers warn about deprecated usage)
     if config is None:
         kwargs.setdefault("disable_compile", True)
-    elif not getattr(config, "disable_compile", False):
+    elif not getattr(config, "disable_compile", False) or chunk_in_config:
         config = copy.deepcopy(config)
         config.disable_compile = True
+        if chunk_in_config:
+            config.prefill_chunk_size = chunk_size
         if kwargs.get("generation_config") is not None:
             kwargs["generation_config"] = config
         else:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "APIError",
@@ -134,8 +135,10 @@ class _Sampling(_Strict):
     NEUTRAL: ClassVar[dict] = {
         "presence_penalty": lambda v: not v,
         "frequency_penalty": lambda v: not v,
-        "logit_bias": lambda v: not v,
+        "logit_bias": lambda v: not v or not any(v.values()),  # a bias of 0 changes no logit
     }
+    #: what the refusal of a non-neutral value says is accepted, where that is more than the default
+    NEUTRAL_ACCEPTED: ClassVar[dict] = {"logit_bias": "an empty map or a bias of 0 for every token"}
 
     @property
     def stop_list(self) -> list[str]:
@@ -157,10 +160,16 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
                            code="invalid_value")
+        # OpenAI's logit_bias maps token ids, as decimal strings, to biases
+        token = next((k for k in self.logit_bias or {} if not (k.isascii() and k.isdigit())), None)
+        if token is not None:
+            raise APIError(400, f"logit_bias: the key {token!r} is not a token id (a decimal integer such as "
+                           "\"50256\")", param="logit_bias", code="invalid_value")
         for name, ok in self.NEUTRAL.items():
             value = getattr(self, name)
             if not ok(value):
-                raise APIError(400, f"{name}: not supported by this server (got {value!r}; only its default is "
+                accepted = self.NEUTRAL_ACCEPTED.get(name, "its default")
+                raise APIError(400, f"{name}: not supported by this server (got {value!r}; only {accepted} is "
                                "accepted)", param=name, code="unsupported_parameter")
 
     @property
@@ -187,9 +196,31 @@ class CompletionRequest(_Sampling):
         "suffix": lambda v: not v,
     }
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, value):
+        """A list that mixes strings, token ids and token-id lists is refused in one sentence (pydantic's own
+        message lists a reason per member of the union, none of which says what is wrong)."""
+        if isinstance(value, list):
+            first: dict[str, int] = {}  # kind -> index of its first item
+            for i, item in enumerate(value):
+                kind = _PROMPT_KINDS.get(type(item))
+                if kind is not None:
+                    first.setdefault(kind, i)
+            if len(first) > 1:
+                (a, i), (b, j) = sorted(first.items(), key=lambda kv: kv[1])[:2]
+                raise PydanticCustomError(
+                    "prompt_kinds_mixed", "a prompt is a string, a list of strings, a list of token ids or a list "
+                    "of token-id lists, not a mix: item {i} is {a} and item {j} {b}", {"i": i, "a": a, "j": j, "b": b})
+        return value
+
     @property
     def limit(self) -> Optional[int]:
         return self.max_tokens
+
+
+# what one item of a completion's prompt list is, by its JSON type (bool is no token id)
+_PROMPT_KINDS = {str: "a string", int: "a token id", list: "a token-id list"}
 
 
 class TextPart(_Strict):
