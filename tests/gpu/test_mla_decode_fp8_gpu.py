@@ -99,6 +99,19 @@ class Rows:
                 self.kv_len if kv_len is None else kv_len, SCALE, *self.geometry)
 
 
+def _exact_rows(got, rows, q_nope, q_rope):
+    """Per non-empty row b: (b, exact, want, vmax): the row's unquantised values (``rows.exact``, on the CPU), exact
+    float64 softmax attention of the row's queries over them, and the largest |latent value|; an empty row's output
+    ``got[b]`` must be all zero (asserted here)."""
+    for b, exact in enumerate(rows.exact):
+        exact = exact.cpu()
+        if exact.shape[0] == 0:
+            assert not bool(got[b].any()), b
+            continue
+        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
+        yield b, exact, torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R], float(exact[:, :R].abs().max())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("ps, heads, lens", [(64, 32, [3000, 1, 0, 777, 64, 2049]), (16, 16, [1000, 37, 513])])
 def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, heads, lens):
@@ -109,14 +122,7 @@ def test_fp8_kernel_equals_exact_attention_within_its_bf16_roundings(fmt, ps, he
     got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="portable").double().cpu()
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in rows.args(q_nope, q_rope)]
     ref = md.mla_decode_reference(*cpu).double()
-    for b, exact in enumerate(rows.exact):
-        exact = exact.cpu()
-        if exact.shape[0] == 0:
-            assert not bool(got[b].any())
-            continue
-        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
-        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
-        vmax = float(exact[:, :R].abs().max())
+    for b, exact, want, vmax in _exact_rows(got, rows, q_nope, q_rope):
         bound = 1.1 * U * (vmax + want.abs()) + 1e-5 * vmax
         assert bool(((got[b] - want).abs() <= bound).all()), (b, float((got[b] - want).abs().max()))
         d = SCALE * U * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
@@ -134,11 +140,7 @@ def test_fp8_kernel_with_fp32_queries_fits_the_shared_memory_and_equals_exact_at
     if limit == 232448:  # an H100/H200: one stage fewer than the default 2
         assert md.portable_tiles(MLAGeometry(*rows.geometry), torch.float32, 32, limit) == (64, 1)
     got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="portable").double().cpu()
-    for b, exact in enumerate(rows.exact):
-        exact = exact.cpu()
-        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
-        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
-        vmax = float(exact[:, :R].abs().max())
+    for b, _, want, vmax in _exact_rows(got, rows, q_nope, q_rope):
         assert float((got[b] - want).abs().max()) <= 1e-4 * vmax, b
 
 
@@ -234,14 +236,7 @@ def test_wgmma_fp8_f16_chain_equals_exact_attention_within_its_roundings(fmt, he
     got = md.mla_decode_triton(*rows.args(q_nope, q_rope), kernel="wgmma", wgmma_fp8_f16=True)
     assert bool(got.isfinite().all())
     got = got.double().cpu()
-    for b, exact in enumerate(rows.exact):
-        exact = exact.cpu()
-        if exact.shape[0] == 0:
-            assert not bool(got[b].any())
-            continue
-        q = torch.cat([q_nope[b], q_rope[b]], -1).double().cpu()
-        want = torch.softmax(q @ exact.T * SCALE, -1) @ exact[:, :R]
-        vmax = float(exact[:, :R].abs().max())
+    for b, exact, want, vmax in _exact_rows(got, rows, q_nope, q_rope):
         # values within 2^-10 relative (their scores within d), f16 probabilities (2^-11), the bf16 output
         d = SCALE * 2.0 ** -10 * (q_nope[b].double().cpu().abs() @ exact[:, :R].abs().T).amax(-1)
         bound = (2.0 ** -10 + 2.0 ** -11) * vmax + U * want.abs() + vmax * torch.expm1(2 * d)[:, None] + 1e-5 * vmax
