@@ -256,6 +256,79 @@ def test_tile_knobs_do_not_change_the_result(gen):
         check(mp.mla_prefill_triton(*rows.args(q, w, 24), **kw), want, torch.float16, 40, 2)
 
 
+def _short_chunk_over_history(gen, T):
+    # ragged rows after 0, 23 and 61 pads: 123, 100 and 62 history tokens (ending mid-page: page size 16),
+    # then a chunk of T tokens in every row; free pages and the tails of the last pages are NaN
+    rows = Rows([0, 23, 61], 123 + T, torch.float32, gen)
+    rows.write(123)
+    rows.write(T)
+    w = weight(gen, torch.float32)
+    q = queries(gen, 3, T, torch.float32)
+    return rows, w, q, dense(q, w, rows.truth, T)
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 33])
+def test_split_k_equals_the_unsplit_kernel_and_the_float64_reference(T, gen):
+    # splits 2, 3 and 7 of each piece's keys (7: more splits than a short row has tiles, so some are empty);
+    # workspace 512: one piece; 50: pieces that cut rows in the middle (and a piece holding two rows' ends)
+    rows, w, q, want = _short_chunk_over_history(gen, T)
+    for ws in (512, 50):
+        unsplit = mp.mla_prefill_triton(*rows.args(q, w, ws), num_splits=1)
+        check(unsplit, want, torch.float32, T, 3)
+        for splits in (2, 3, 7):
+            got = mp.mla_prefill_triton(*rows.args(q, w, ws), num_splits=splits)
+            check(got, want, torch.float32, T, 3)
+            # the same tiles in a different association of the log-sum-exp merge: fp32 rounding apart
+            torch.testing.assert_close(got, unsplit, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 33])
+def test_the_split_rule_when_switched_on_splits_short_chunks_and_keeps_the_result(T, monkeypatch, gen):
+    # one row (at 4 heads the rule splits every chunk here) and three ragged rows (the rule splits chunks of
+    # at most 16 queries: 12 programs of the unsplit grid on the interpreter's 32 stand-in SMs)
+    counts = []
+    rule = mp.mla_prefill_num_splits
+
+    def spy(*a, **k):
+        counts.append(rule(*a, **k))
+        return counts[-1]
+
+    monkeypatch.setattr(mp, "mla_prefill_num_splits", spy)
+    monkeypatch.setattr(mp, "SPLIT_K_AUTO", True)
+    rows, w, q, want = _short_chunk_over_history(gen, T)
+    check(mp.mla_prefill_triton(*rows.args(q, w, 512)), want, torch.float32, T, 3)
+    assert counts == [2 if T <= 16 else 1]  # 32 // 12 = 2; T = 33: 36 programs, no split
+    # one row of 300 history tokens: 4 programs (12 at T = 33); in one piece of 300 + T keys (19-21 tiles of
+    # 16) and in pieces of 200 and 100 + T keys
+    one = Rows([0], 300 + T, torch.float32, gen)
+    one.write(300 + T)
+    q1 = queries(gen, 1, T, torch.float32)
+    want1 = dense(q1, w, one.truth, T)
+    expected = {1: ([4], [3, 1]), 7: ([5], [3, 1]), 16: ([5], [3, 2]), 33: ([2], [2, 2])}[T]
+    for ws, want_counts in zip((512, 200), expected):
+        counts.clear()
+        check(mp.mla_prefill_triton(*one.args(q1, w, ws)), want1, torch.float32, T, 1)
+        assert counts == want_counts
+
+
+def test_split_rule_counts():
+    # 32 heads, one row, 128 queries on an H200's 132 SMs: 32 programs, 4 splits
+    assert mp.mla_prefill_num_splits(32, 512, 132) == 4
+    assert mp.mla_prefill_num_splits(32, 10, 132) == 2  # few keys: one split per 4 tiles
+    assert mp.mla_prefill_num_splits(32, 3, 132) == 1
+    assert mp.mla_prefill_num_splits(1, 10_000, 132) == 132
+    assert mp.mla_prefill_num_splits(66, 512, 132) == 2
+    assert mp.mla_prefill_num_splits(67, 512, 132) == 1  # more than half a wave: 2 splits would spill over
+    assert mp.mla_prefill_num_splits(132, 512, 132) == 1  # a full wave: off
+    assert mp.mla_prefill_num_splits(5000, 512, 132) == 1
+    assert mp.mla_prefill_num_splits(32, 512, 132, programs_per_sm=2) == 8
+    assert mp.mla_prefill_num_splits(32, 512, 132, min_split_tiles=256) == 2
+    assert mp.SPLIT_K_AUTO is False  # off by default until a GPU run has timed it
+    # per piece, the most keys of one row: rows of 5, 0, 70 tokens in pieces of 16 (packed 0-4 | 5-74)
+    assert mp._row_keys_in_pieces([5, 0, 70], 5, 16) == [11, 16, 16, 16, 11]
+    assert mp._row_keys_in_pieces([40], 1, 64) == [40]
+
+
 def test_opcheck_and_compiled_graph(gen):
     rows = Rows([0, 2], 12, torch.float32, gen)
     rows.write(12)
