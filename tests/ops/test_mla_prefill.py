@@ -414,8 +414,9 @@ consts = dict(R=512, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=
               BLOCK_N=t["block_n"], DOT_PRECISION="tf32")
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 # several pieces: fp32 running output and lse buffers; one piece: both are the bf16 result (never read, but
-# compiled: the branch that reads them must type-check too)
-for running in ("*fp32", "*bf16"):
+# compiled: the branch that reads them must type-check too); split-K: the fp32 partial buffers
+for running, split in (("*fp32", False), ("*bf16", False), ("*fp32", True)):
+    consts["SPLIT"] = split
     types = dict(q_ptr="*bf16", e_ptr="*bf16", ws_ptr="*bf16", cu_ptr="*i32", out_ptr="*bf16", acc_ptr=running,
                  lse_ptr=running, qk_scale="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
@@ -433,7 +434,7 @@ for running in ("*fp32", "*bf16"):
                                    text=True).stdout
         found = re.search(r"STACK:(\d+)", usage)
         stack = int(found.group(1)) if found else None
-    print("RESULT " + json.dumps({"running": running, "wgmma": ptx.count("wgmma.mma_async"),
+    print("RESULT " + json.dumps({"running": running, "split": split, "wgmma": ptx.count("wgmma.mma_async"),
                                   "mma_sync": ptx.count("mma.sync"), "shared": k.metadata.shared, "stack": stack,
                                   "tiles": t}), flush=True)
 '''
@@ -444,10 +445,11 @@ sm90_compiles.register("mla_prefill_hopper", _HOPPER_CHILD)
 
 def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills():
     # CI has no GPU: compile the attention kernel for sm_90 ahead of time (no driver needed) with the tiles
-    # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry. A child process, because this test
+    # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry, unsplit and split-K. A child process, because this test
     # process runs Triton in the interpreter (the session's one launch of such compiles: tests/sm90_compiles.py).
     out = sm90_compiles.results("mla_prefill_hopper")
-    assert len(out) == 2, f"the compile script printed {len(out)} RESULT lines, not 2"
+    assert len(out) == 3, f"the compile script printed {len(out)} RESULT lines, not 3"
+    assert [k["split"] for k in out] == [False, False, True]
     for k in out:
         _check_hopper_compile(k)
 
