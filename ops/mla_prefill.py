@@ -24,6 +24,13 @@ pieces of at most ``workspace_tokens`` packed tokens. Per piece:
    ``flash_fwd_splitkv_combine_kernel`` and of flash decoding, done incrementally), so no merge launch and
    no per-piece partial buffers exist. The last piece writes the output in q's dtype.
 
+Split-K (off by default: :data:`SPLIT_K_AUTO`): a short chunk over a long history launches too few programs
+of step 3 to fill the GPU (``B x H x ceil(T / block_m)``), each walking the whole piece. With ``S > 1``
+splits step 3 runs ``S`` programs per (query block, head, row), each over its run of the block's key tiles
+(the unsplit tiles), writing a normalised partial output and its log-sum-exp, and one merge launch
+(:func:`_merge_splits_kernel`) folds them into the pieces before with the same combine (flash decoding's
+stage 2). :func:`mla_prefill_num_splits` picks ``S`` per piece from the program count and the SM count.
+
 Memory is bounded by the workspace: ``workspace_tokens x (R + Dr + H * (dn + dv)) x itemsize`` (8192 tokens
 at Kimi-Linear's geometry, bf16: 9 MiB + 128 MiB), plus, when there is more than one piece, an fp32 running
 output ``[B, T, H, dv]`` and LSE ``[B, H, T]``; never the history's expanded size.
