@@ -283,7 +283,8 @@ def short_chunks(ceiling: float, workspace: int) -> list[dict]:
     after SHORT_HISTORY tokens (kv_len = history + T, one row), the op with ``num_splits=1`` (the unsplit
     kernel), with the counts ``mla_prefill_num_splits`` picks per piece (``rule``, what ``SPLIT_K_AUTO``
     would run), and with every count in SHORT_SPLITS forced on every piece. ``rule_splits``: the rule's count
-    per workspace piece at this device's SM count and the default tiles."""
+    per workspace piece at this device's SM count and the default tiles; ``max_abs_diff_vs_unsplit``: the
+    largest difference of a forced split's output from the unsplit one."""
     tokens = SHORT_HISTORY + max(SHORT_CHUNKS)
     row = Row(-(-tokens // PS) * PS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -301,6 +302,10 @@ def short_chunks(ceiling: float, workspace: int) -> list[dict]:
         point = {"queries": T, "history": SHORT_HISTORY, "kv_len": kv_len, "flops": flops,
                  "attention_flops": f["attention"], "expand_flops": f["expand"], "programs": programs, "sms": sms,
                  "rule_splits": rule, "tiles": tiles}
+        ref = mp.mla_prefill_triton(*a, num_splits=1).float()
+        # sanity of the split results on this GPU (bf16 outputs: rounding apart)
+        point["max_abs_diff_vs_unsplit"] = max(
+            (mp.mla_prefill_triton(*a, num_splits=n).float() - ref).abs().max().item() for n in SHORT_SPLITS)
         unsplit = bench(lambda: mp.mla_prefill_triton(*a, num_splits=1))
         point["unsplit_ms"] = unsplit
         # the same launches replayed from a CUDA graph: GPU time without the launcher's host work (a short
