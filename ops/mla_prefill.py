@@ -469,9 +469,15 @@ def _merge_splits_kernel(
         l_i = tl.where(seen, 1.0, 0.0)
         acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
         acc = tl.where(seen[:, None], acc, 0.0)
-    for s in range(num_splits):
-        lse_s = tl.load(part_lse_ptr + s * rows + lse_off, mask=r_ok, other=float("-inf"))
-        o_s = tl.load(part_o_ptr + s * rows * DV + o_off, mask=o_mask, other=0.0)
+    # one split's slice at a time: the pointers step by a slice (rows x DV values), so no split index is
+    # multiplied in 32 bits
+    po = part_o_ptr + o_off
+    pl = part_lse_ptr + lse_off
+    for _ in range(num_splits):
+        lse_s = tl.load(pl, mask=r_ok, other=float("-inf"))
+        o_s = tl.load(po, mask=o_mask, other=0.0)
+        po += rows * DV
+        pl += rows
         m_new = tl.maximum(m_i, lse_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)

@@ -384,7 +384,7 @@ def test_bad_inputs_raise_with_the_numbers(gen):
         for fn in (torch.ops.unimem.mla_prefill, mp.mla_prefill_triton):
             with pytest.raises(exc, match=text.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(")):
                 fn(*bad)
-    for knob, value in (("block_m", 8), ("block_n", 48), ("num_warps", 3), ("num_stages", 0)):
+    for knob, value in (("block_m", 8), ("block_n", 48), ("num_warps", 3), ("num_stages", 0), ("num_splits", 0)):
         with pytest.raises(ValueError, match=f"{knob} must be"):
             mp.mla_prefill_triton(*args, **{knob: value})
 
