@@ -347,6 +347,37 @@ def _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, k_start, k_end, ws_row0, q_p
     return acc, l_i, m_i
 
 
+@triton.jit
+def _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, row_ok, first, ROWS: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    # (acc, l, m) an online softmax starts from: nothing (the first piece), else the pieces before: their
+    # normalised output with weight 1 at the running maximum lse (FlashAttention's split-KV combine)
+    if first != 0:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    else:
+        m_i = tl.load(lse_ptr + lse_off, mask=row_ok, other=float("-inf")).to(tl.float32)
+        seen = m_i > float("-inf")
+        l_i = tl.where(seen, 1.0, 0.0)
+        # the running output may be the 16-bit result buffer (one piece per launch); accumulate in fp32
+        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
+        acc = tl.where(seen[:, None], acc, 0.0)  # never-written rows of the buffer hold garbage
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, row_ok, last):
+    # the normalised output: in q's dtype after the last piece, else with its lse for the next one
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a pad (or a row with no key yet): zeros
+    o = acc / l_safe[:, None]
+    if last != 0:
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(acc_ptr + o_off, o, mask=o_mask)
+        tl.store(lse_ptr + lse_off, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["T", "piece_start", "piece_end", "first", "last", "num_splits"])
 def _mla_prefill_attn_kernel(
     q_ptr, e_ptr, ws_ptr, cu_ptr, out_ptr, acc_ptr, lse_ptr,
@@ -411,19 +442,7 @@ def _mla_prefill_attn_kernel(
         rows = tl.num_programs(2).to(tl.int64) * T * H
         o_off += s * rows * DV
         lse_off += s * rows
-    if first != 0:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    else:
-        # continue the online softmax from the pieces before: their normalised output with weight 1 at the
-        # running maximum lse (FlashAttention's split-KV combine, one piece at a time)
-        m_i = tl.load(lse_ptr + lse_off, mask=m_ok, other=float("-inf")).to(tl.float32)
-        seen = m_i > float("-inf")
-        l_i = tl.where(seen, 1.0, 0.0)
-        # the running output may be the 16-bit result buffer (one piece per launch); accumulate in fp32
-        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
-        acc = tl.where(seen[:, None], acc, 0.0)  # never-written rows of the buffer hold garbage
+    acc, l_i, m_i = _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, m_ok, first, BLOCK_M, BLOCK_DV)
 
     ws_row0 = row_start - piece_start  # workspace row of stored index 0 of this row
     e_col = h * (DN + DV)
@@ -432,13 +451,7 @@ def _mla_prefill_attn_kernel(
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, full_end, hi, ws_row0, q_pos, stride_e, e_col,
                             qk_scale, R, DN, DR, DV, BLOCK_DN, BLOCK_DR, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a pad (or a row with no key yet): zeros
-    o = acc / l_safe[:, None]
-    if last != 0:
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        tl.store(acc_ptr + o_off, o, mask=o_mask)
-        tl.store(lse_ptr + lse_off, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_ok)
+    _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, m_ok, last)
 
 
 @triton.jit(do_not_specialize=["rows", "T", "H", "num_splits", "first", "last"])
@@ -459,16 +472,7 @@ def _merge_splits_kernel(
     o_off = r[:, None] * DV + cv[None, :]
     o_mask = r_ok[:, None] & (cv < DV)[None, :]
     lse_off = (b * H + h) * T + t
-    if first != 0:
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    else:
-        m_i = tl.load(lse_ptr + lse_off, mask=r_ok, other=float("-inf")).to(tl.float32)
-        seen = m_i > float("-inf")
-        l_i = tl.where(seen, 1.0, 0.0)
-        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
-        acc = tl.where(seen[:, None], acc, 0.0)
+    acc, l_i, m_i = _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, r_ok, first, BLOCK_R, BLOCK_DV)
     # one split's slice at a time: the pointers step by a slice (rows x DV values), so no split index is
     # multiplied in 32 bits
     po = part_o_ptr + o_off
@@ -485,13 +489,7 @@ def _merge_splits_kernel(
         acc = acc * alpha[:, None] + o_s * beta[:, None]
         l_i = l_i * alpha + beta
         m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if last != 0:
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        tl.store(acc_ptr + o_off, o, mask=o_mask)
-        tl.store(lse_ptr + lse_off, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=r_ok)
+    _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, r_ok, last)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
