@@ -51,7 +51,12 @@ design that kept the expanded history would not do it). ``x_of_bound`` = measure
 ``profile``: kernel time per name and per part of the model (``kernel_breakdown``: matmul, MLA attention, MLA
 cache, KDA, conv, MoE routing, Inductor's fused kernels, other) and the GPU's busy fraction of the wall time.
 
+``--short`` (only this): chunks of 16, 64 and 256 queries over 32k tokens of history, the op with split-K
+off, by ``mla_prefill_num_splits`` and forced to 2-16 splits (``short_chunks``; do_bench medians, and for
+off and the rule also CUDA-graph replays, ``*_graph_ms``, which leave out the launcher's host work).
+
 usage: python benchmarks/bench_mla_prefill.py [--out results.json] [--quick] [--sweep]
+       python benchmarks/bench_mla_prefill.py --short [--out results_short.json]
        python benchmarks/bench_mla_prefill.py --model kimi-linear-48b-4l [--rows 4096 32768 131072] [--out f.json]
        python benchmarks/bench_mla_prefill.py --model kimi-linear-tiny --device cpu --rows 64 96 --chunk 32 \
            --backend aot_eager                                          (CPU smoke run, ~30 s)
@@ -264,6 +269,67 @@ def sweep(ceiling: float) -> list[dict]:
                 point["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"sweep {point}")
             points.append(point)
+    return points
+
+
+#: --short: chunk lengths (queries) timed over SHORT_HISTORY tokens of history, and the forced split counts
+SHORT_CHUNKS = (16, 64, 256)
+SHORT_HISTORY = 32768
+SHORT_SPLITS = (2, 4, 8, 16)
+
+
+def short_chunks(ceiling: float, workspace: int) -> list[dict]:
+    """Short chunks over a long history, split-K off and on: for each chunk of ``T`` queries in SHORT_CHUNKS
+    after SHORT_HISTORY tokens (kv_len = history + T, one row), the op with ``num_splits=1`` (the unsplit
+    kernel), with the counts ``mla_prefill_num_splits`` picks per piece (``rule``, what ``SPLIT_K_AUTO``
+    would run), and with every count in SHORT_SPLITS forced on every piece. ``rule_splits``: the rule's count
+    per workspace piece at this device's SM count and the default tiles; ``max_abs_diff_vs_unsplit``: the
+    largest difference of a forced split's output from the unsplit one."""
+    tokens = SHORT_HISTORY + max(SHORT_CHUNKS)
+    row = Row(-(-tokens // PS) * PS)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    points = []
+    for T in SHORT_CHUNKS:
+        kv_len = SHORT_HISTORY + T
+        tiles = mp.mla_prefill_tiles(torch.device("cuda"), T)
+        f = mp.mla_prefill_flops([kv_len], T, H, DN, DR, DV, R)
+        flops = f["expand"] + f["attention"]
+        a = list(row.args(kv_len, workspace))
+        a[0] = row.q[:, :, :T]  # [1, H, T, dq], last stride 1
+        programs = H * triton.cdiv(T, tiles["block_m"])
+        piece_keys = [min(workspace, kv_len - p * workspace) for p in range(-(-kv_len // workspace))]
+        rule = [mp.mla_prefill_num_splits(programs, triton.cdiv(k, tiles["block_n"]), sms) for k in piece_keys]
+        point = {"queries": T, "history": SHORT_HISTORY, "kv_len": kv_len, "flops": flops,
+                 "attention_flops": f["attention"], "expand_flops": f["expand"], "programs": programs, "sms": sms,
+                 "rule_splits": rule, "tiles": tiles}
+        ref = mp.mla_prefill_triton(*a, num_splits=1).float()
+        # sanity of the split results on this GPU (bf16 outputs: rounding apart)
+        point["max_abs_diff_vs_unsplit"] = max(
+            (mp.mla_prefill_triton(*a, num_splits=n).float() - ref).abs().max().item() for n in SHORT_SPLITS)
+        unsplit = bench(lambda: mp.mla_prefill_triton(*a, num_splits=1))
+        point["unsplit_ms"] = unsplit
+        # the same launches replayed from a CUDA graph: GPU time without the launcher's host work (a short
+        # chunk's few microseconds of attention may hide behind it)
+        point["unsplit_graph_ms"] = triton.testing.do_bench_cudagraph(lambda: mp.mla_prefill_triton(*a, num_splits=1))
+        auto_was = mp.SPLIT_K_AUTO
+        mp.SPLIT_K_AUTO = True  # the rule, as the switch would run it (restored below)
+        try:
+            point["rule_ms"] = bench(lambda: mp.mla_prefill_triton(*a))
+            point["rule_graph_ms"] = triton.testing.do_bench_cudagraph(lambda: mp.mla_prefill_triton(*a))
+        finally:
+            mp.SPLIT_K_AUTO = auto_was
+        point["forced"] = [{"num_splits": n, "ms": bench(lambda: mp.mla_prefill_triton(*a, num_splits=n))}
+                           for n in SHORT_SPLITS]
+        for key in ("unsplit", "rule"):
+            point[f"{key}_tflops"] = flops / point[f"{key}_ms"] / 1e9
+            point[f"{key}_fraction_of_matmul"] = point[f"{key}_tflops"] / ceiling
+        point["rule_speedup"] = unsplit / point["rule_ms"]
+        point["rule_graph_speedup"] = point["unsplit_graph_ms"] / point["rule_graph_ms"]
+        forced = " ".join(f"{p['num_splits']}:{p['ms']:.3f}" for p in point["forced"])
+        print(f"short T {T:>4} over {SHORT_HISTORY}: unsplit {unsplit:.3f} ms, rule {rule} {point['rule_ms']:.3f} ms "
+              f"({point['rule_speedup']:.2f}x; graph replay {point['unsplit_graph_ms']:.3f} vs "
+              f"{point['rule_graph_ms']:.3f} ms, {point['rule_graph_speedup']:.2f}x), forced {forced}")
+        points.append(point)
     return points
 
 
@@ -524,6 +590,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="rows of 4k and 32k only")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tiles and workspace sizes")
+    ap.add_argument("--short", action="store_true", help="only short chunks (16, 64, 256 queries) over 32k of "
+                    "history, split-K off, by the rule and forced (short_chunks)")
     ap.add_argument("--workspace", type=int, default=mp.WORKSPACE_TOKENS, help="workspace_tokens of the op")
     ap.add_argument("--model", default=None, help="model level: a preset of unimem_compile.hf.models "
                     "(kimi-linear-48b-4l: the real geometry, 4 layers)")
@@ -561,6 +629,12 @@ def main(argv=None) -> int:
         "matmul_ceiling_tflops": ceiling, "workspace_tokens": args.workspace, "tiles": tiles, "rows": [],
     }
     print(f"bf16 matmul ceiling: {ceiling:.0f} TFLOP/s; tiles {tiles}; workspace {args.workspace} tokens")
+    if args.short:
+        result["short"] = short_chunks(ceiling, args.workspace)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     print(f"{'row':>7} {'kv_len':>7} {'ms':>9} {'TFLOP/s':>7} {'of mm':>6} {'sdpa ms':>9} {'sync ms':>9}")
     for tokens in ([4096, 32768] if args.quick else [4096, 32768, 131072]):
         result["rows"].append(run_row(tokens, args.workspace, ceiling, sync=tokens == 32768))

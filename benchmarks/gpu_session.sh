@@ -7,7 +7,7 @@
 #    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512")
 #   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
-#          bench_mla_prefill_sweep bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
+#          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
@@ -120,6 +120,10 @@ for s in "$@"; do
     bench_mla_prefill) run_step bench_mla_prefill 300 python3 -P benchmarks/bench_mla_prefill.py --out "$OUT/json/mla_prefill.json" ;;
     bench_mla_prefill_sweep) run_step bench_mla_prefill_sweep 300 python3 -P benchmarks/bench_mla_prefill.py --quick --sweep \
                                --out "$OUT/json/mla_prefill_sweep.json" ;;
+    # issue 20's short chunks: 16 / 64 / 256 queries over 32k of history, split-K off / by the rule / forced;
+    # decides mla_prefill.SPLIT_K_AUTO (off until this step has timed it)
+    bench_mla_prefill_short) run_step bench_mla_prefill_short 200 python3 -P benchmarks/bench_mla_prefill.py --short \
+                               --out "$OUT/json/mla_prefill_short.json" ;;
     bench_prefill_model) run_step bench_prefill_model 540 python3 -P benchmarks/bench_mla_prefill.py \
                            --model kimi-linear-48b-4l --systems unimem,old_path --profile-row 32768 \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model:-540} - 40 ))" --out "$OUT/json/prefill_model.json" ;;

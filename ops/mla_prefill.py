@@ -24,6 +24,13 @@ pieces of at most ``workspace_tokens`` packed tokens. Per piece:
    ``flash_fwd_splitkv_combine_kernel`` and of flash decoding, done incrementally), so no merge launch and
    no per-piece partial buffers exist. The last piece writes the output in q's dtype.
 
+Split-K (off by default: :data:`SPLIT_K_AUTO`): a short chunk over a long history launches too few programs
+of step 3 to fill the GPU (``B x H x ceil(T / block_m)``), each walking the whole piece. With ``S > 1``
+splits step 3 runs ``S`` programs per (query block, head, row), each over its run of the block's key tiles
+(the unsplit tiles), writing a normalised partial output and its log-sum-exp, and one merge launch
+(:func:`_merge_splits_kernel`) folds them into the pieces before with the same combine (flash decoding's
+stage 2). :func:`mla_prefill_num_splits` picks ``S`` per piece from the program count and the SM count.
+
 Memory is bounded by the workspace: ``workspace_tokens x (R + Dr + H * (dn + dv)) x itemsize`` (8192 tokens
 at Kimi-Linear's geometry, bf16: 9 MiB + 128 MiB), plus, when there is more than one piece, an fp32 running
 output ``[B, T, H, dv]`` and LSE ``[B, H, T]``; never the history's expanded size.
@@ -58,6 +65,7 @@ the same.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -75,13 +83,26 @@ from .geometry import MLAGeometry
 # The op object is ``torch.ops.unimem.mla_prefill`` (or ``unimem_compile.ops.mla_prefill.mla_prefill``):
 # exporting it from the package would shadow this module.
 __all__ = ["mla_prefill_reference", "mla_prefill_triton", "mla_prefill_plan", "mla_prefill_flops",
-           "mla_prefill_tiles", "WORKSPACE_TOKENS"]
+           "mla_prefill_tiles", "mla_prefill_num_splits", "WORKSPACE_TOKENS", "SPLIT_K_AUTO"]
 
 #: Default piece size in packed history tokens (the op takes it as an argument; this is what callers pass
 #: when they have no memory budget of their own): 137 MiB of workspace at Kimi-Linear's geometry in bf16.
 WORKSPACE_TOKENS = 8192
 
 _LOG2E = 1.4426950408889634
+
+#: Split-K of a piece's keys (:func:`mla_prefill_num_splits`) when the launcher is given no ``num_splits``:
+#: off until a GPU run has timed it (benchmarks/bench_mla_prefill.py --short); the one-line switch.
+SPLIT_K_AUTO = False
+#: Attention programs resident per SM that the split rule fills (one wave): the sm_90 tiles take 168 KiB of
+#: the 227 KiB of shared memory, so one.
+SPLIT_PROGRAMS_PER_SM = 1
+#: Fewest key tiles (``block_n`` keys each) a split gets: a split loads its queries and stores an fp32
+#: partial output, so it must walk enough keys to pay for both.
+MIN_SPLIT_TILES = 4
+#: Stand-in SM count when the kernels run in the interpreter (CPU tensors), so CPU tests take the rule's
+#: split branch at small shapes.
+INTERPRETER_SMS = 32
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -110,6 +131,45 @@ def mla_prefill_flops(lengths: list[int], T: int, heads: int, qk_nope_head_dim: 
     expand = 2 * sum(lengths) * kv_lora_rank * heads * (qk_nope_head_dim + v_head_dim)
     attention = 2 * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) * pairs
     return {"expand": expand, "attention": attention, "pairs": pairs}
+
+
+def mla_prefill_num_splits(programs: int, key_tiles: int, sms: int, *,
+                           programs_per_sm: int = SPLIT_PROGRAMS_PER_SM, min_split_tiles: int = MIN_SPLIT_TILES) -> int:
+    """Split count of one piece's attention launch: ``programs`` = ``B x H x ceil(T / block_m)`` programs of
+    the unsplit grid, ``key_tiles`` = ``ceil(keys / block_n)`` for the row with the most keys in the piece,
+    ``sms`` = the device's SM count.
+
+    ``1`` (no split) when the programs fill a wave (``programs >= programs_per_sm x sms``, split-K would only
+    add partial outputs and a merge); else the most splits that keep ``programs x splits`` within that wave,
+    at most one per ``min_split_tiles`` key tiles, at least 1. At 32 heads, one row, a chunk of 128 queries
+    and 132 SMs: 32 programs, 4 splits (given 16 or more key tiles); 5 rows of 128: 160 programs, 1."""
+    target = programs_per_sm * sms
+    if programs >= target:
+        return 1
+    return max(1, min(target // max(programs, 1), key_tiles // min_split_tiles))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _row_keys_in_pieces(lengths: list[int], pieces: int, workspace_tokens: int) -> list[int]:
+    # per piece, the most keys any one row has in it (host integers: the plan's lengths)
+    most = [0] * pieces
+    start = 0
+    for n in lengths:
+        for p in range(start // workspace_tokens, -(-(start + n) // workspace_tokens)):
+            lo, hi = max(start, p * workspace_tokens), min(start + n, (p + 1) * workspace_tokens)
+            most[p] = max(most[p], hi - lo)
+        start += n
+    return most
 
 
 def _dims(q: torch.Tensor, w_kv_b: torch.Tensor, qk_rope_head_dim: int) -> tuple[int, int, int, int, int]:
@@ -287,20 +347,61 @@ def _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, k_start, k_end, ws_row0, q_p
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["T", "piece_start", "piece_end", "first", "last"])
+@triton.jit
+def _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, row_ok, first, ROWS: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    # (acc, l, m) an online softmax starts from: nothing (the first piece), else the pieces before: their
+    # normalised output with weight 1 at the running maximum lse (FlashAttention's split-KV combine)
+    if first != 0:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    else:
+        m_i = tl.load(lse_ptr + lse_off, mask=row_ok, other=float("-inf")).to(tl.float32)
+        seen = m_i > float("-inf")
+        l_i = tl.where(seen, 1.0, 0.0)
+        # the running output may be the 16-bit result buffer (one piece per launch); accumulate in fp32
+        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
+        acc = tl.where(seen[:, None], acc, 0.0)  # never-written rows of the buffer hold garbage
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, row_ok, last):
+    # the normalised output: in q's dtype after the last piece, else with its lse for the next one
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a pad (or a row with no key yet): zeros
+    o = acc / l_safe[:, None]
+    if last != 0:
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(acc_ptr + o_off, o, mask=o_mask)
+        tl.store(lse_ptr + lse_off, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["T", "piece_start", "piece_end", "first", "last", "num_splits"])
 def _mla_prefill_attn_kernel(
     q_ptr, e_ptr, ws_ptr, cu_ptr, out_ptr, acc_ptr, lse_ptr,
-    qk_scale, T, H, piece_start, piece_end, first, last,
+    qk_scale, T, H, piece_start, piece_end, first, last, num_splits,
     stride_qb, stride_qh, stride_qt, stride_e,
     R: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # program (query block, head h, row b): queries [m*BLOCK_M, (m+1)*BLOCK_M) of row b, head h, against row
     # b's keys inside this piece. Query blocks run last-first: the late blocks see the most keys, and starting
     # them first keeps the tail of the grid short. The m blocks of one (row, head) are adjacent in the grid,
     # so they read the same K/V tiles while those are in L2.
-    m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # SPLIT (split-K): axis 0 is (split s, query block) and the program takes only split s of those keys, the
+    # s-th run of split_len (whole BLOCK_N tiles, so the tiles are the unsplit ones); it starts a fresh online
+    # softmax and stores its normalised output and log-sum-exp into slice s of acc / lse (zeros and -inf for
+    # a split without keys), which _merge_splits_kernel folds into the pieces before; the launcher passes
+    # first = 1, last = 0.
+    if SPLIT:
+        num_m = tl.cdiv(T, BLOCK_M)
+        s = tl.program_id(0) // num_m
+        m = num_m - 1 - tl.program_id(0) % num_m
+    else:
+        m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     row_start = tl.load(cu_ptr + b)
@@ -313,7 +414,11 @@ def _mla_prefill_attn_kernel(
     # this piece's keys of row b that some query of the block may see, as stored indices [lo, hi)
     lo = tl.maximum(piece_start - row_start, 0)
     hi = tl.minimum(tl.minimum(piece_end - row_start, n), q_end)
-    if lo >= hi:
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + s * split_len
+        hi = tl.minimum(hi, lo + split_len)  # an unused split: hi <= lo, both loops empty
+    elif lo >= hi:
         if last == 0:
             return  # nothing to add: the running output of the pieces before stays as it is
 
@@ -332,19 +437,12 @@ def _mla_prefill_attn_kernel(
     o_off = ((b64 * T + offs_m) * H + h)[:, None] * DV + cv[None, :]
     o_mask = m_ok[:, None] & (cv < DV)[None, :]
     lse_off = (b64 * H + h) * T + offs_m
-    if first != 0:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    else:
-        # continue the online softmax from the pieces before: their normalised output with weight 1 at the
-        # running maximum lse (FlashAttention's split-KV combine, one piece at a time)
-        m_i = tl.load(lse_ptr + lse_off, mask=m_ok, other=float("-inf")).to(tl.float32)
-        seen = m_i > float("-inf")
-        l_i = tl.where(seen, 1.0, 0.0)
-        # the running output may be the 16-bit result buffer (one piece per launch); accumulate in fp32
-        acc = tl.load(acc_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
-        acc = tl.where(seen[:, None], acc, 0.0)  # never-written rows of the buffer hold garbage
+    if SPLIT:
+        # slice s of the partial buffers [num_splits, B, T, H, DV] and [num_splits, B, H, T]
+        rows = tl.num_programs(2).to(tl.int64) * T * H
+        o_off += s * rows * DV
+        lse_off += s * rows
+    acc, l_i, m_i = _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, m_ok, first, BLOCK_M, BLOCK_DV)
 
     ws_row0 = row_start - piece_start  # workspace row of stored index 0 of this row
     e_col = h * (DN + DV)
@@ -353,16 +451,52 @@ def _mla_prefill_attn_kernel(
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_n, q_r, e_ptr, ws_ptr, full_end, hi, ws_row0, q_pos, stride_e, e_col,
                             qk_scale, R, DN, DR, DV, BLOCK_DN, BLOCK_DR, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a pad (or a row with no key yet): zeros
-    o = acc / l_safe[:, None]
-    if last != 0:
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        tl.store(acc_ptr + o_off, o, mask=o_mask)
-        tl.store(lse_ptr + lse_off, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_ok)
+    _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, m_ok, last)
+
+
+@triton.jit(do_not_specialize=["rows", "T", "H", "num_splits", "first", "last"])
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, acc_ptr, lse_ptr, rows, T, H, num_splits, first, last,
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # program i: output rows r in [i*BLOCK_R, (i+1)*BLOCK_R) of the rows = B*T*H (row r = (b*T + t)*H + h,
+    # DV values each). Folds the piece's num_splits partial outputs (normalised, with their base-2
+    # log-sum-exp) into the running output of the pieces before, the same combine the attention kernel starts
+    # from (FlashAttention's split-KV combine), one split after another; then stores as that kernel's end does.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    h = r % H
+    t = (r // H) % T
+    b = r // (H * T)
+    cv = tl.arange(0, BLOCK_DV)
+    o_off = r[:, None] * DV + cv[None, :]
+    o_mask = r_ok[:, None] & (cv < DV)[None, :]
+    lse_off = (b * H + h) * T + t
+    acc, l_i, m_i = _running_start(acc_ptr, lse_ptr, o_off, o_mask, lse_off, r_ok, first, BLOCK_R, BLOCK_DV)
+    # one split's slice at a time: the pointers step by a slice (rows x DV values), so no split index is
+    # multiplied in 32 bits
+    po = part_o_ptr + o_off
+    pl = part_lse_ptr + lse_off
+    for _ in range(num_splits):
+        lse_s = tl.load(pl, mask=r_ok, other=float("-inf"))
+        o_s = tl.load(po, mask=o_mask, other=0.0)
+        po += rows * DV
+        pl += rows
+        m_new = tl.maximum(m_i, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        beta = tl.exp2(lse_s - m_use)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    _running_store(acc, l_i, m_i, out_ptr, acc_ptr, lse_ptr, o_off, o_mask, lse_off, r_ok, last)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
+#: Output rows (of dv values) per merge program: 16 x 128 fp32 accumulators per program at dv 128.
+_MERGE_ROWS = 16
+
+
 def mla_prefill_tiles(device: torch.device, T: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Default attention tiles for q's ``dtype``: ``{"block_m", "block_n", "num_warps", "num_stages"}``.
 
@@ -444,7 +578,7 @@ def mla_prefill_triton(
     q: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
     kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, *geometry,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, gather_block: int = 16,
+    num_stages: int | None = None, gather_block: int = 16, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`mla_prefill`: per piece one gather launch, one matmul, one attention launch.
 
@@ -454,6 +588,10 @@ def mla_prefill_triton(
         block_n: keys per tile (a power of two >= 16).
         num_warps, num_stages: Triton launch options of the attention kernel.
         gather_block: workspace rows per gather program (a power of two).
+        num_splits: split-K of every piece's keys over this many programs per (query block, head, row),
+            merged exactly by log-sum-exp (``1``: the unsplit kernel). None: :func:`mla_prefill_num_splits`
+            per piece when :data:`SPLIT_K_AUTO` is set (the device's SM count; :data:`INTERPRETER_SMS` in the
+            interpreter), else 1.
 
     Returns / Raises: as :func:`mla_prefill`; also ValueError for a knob out of its range (with the value),
     or CPU tensors without ``TRITON_INTERPRET=1``.
@@ -473,14 +611,16 @@ def mla_prefill_triton(
                              ("gather_block", gather_block, 1)):
         check_knob(op, name, value, low=low, power_of_two=True)
     check_knob(op, "num_stages", num_stages)
+    if num_splits is not None:
+        check_knob(op, "num_splits", num_splits)
 
     R, Dr = g.kv_lora_rank, g.qk_rope_head_dim
     P = page_table.shape[1]
     out = torch.empty((B, T, H, dv), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out.transpose(1, 2)
-    _, total, pieces = mla_prefill_plan(kv_len_host if kv_len_host is not None else kv_len.cpu(), P * page_size,
-                                        workspace_tokens)
+    lengths, total, pieces = mla_prefill_plan(kv_len_host if kv_len_host is not None else kv_len.cpu(),
+                                              P * page_size, workspace_tokens)
     if pieces == 0:  # no row holds a token: every query is a pad
         return out.zero_().transpose(1, 2)
     if q.stride(-1) != 1:
@@ -501,6 +641,23 @@ def mla_prefill_triton(
     r_p2, dr_p2 = triton.next_power_of_2(R), triton.next_power_of_2(Dr)
     steps = max(1, (B - 1).bit_length())
     grid = (triton.cdiv(T, block_m), H, B)
+    if num_splits is not None:
+        splits = [num_splits] * pieces
+    elif SPLIT_K_AUTO:
+        sms = _device_sms(q.device)
+        splits = [mla_prefill_num_splits(grid[0] * H * B, triton.cdiv(keys, block_n), sms)
+                  for keys in _row_keys_in_pieces(lengths, pieces, workspace_tokens)]
+    else:
+        splits = [1] * pieces
+    s_max = max(splits)
+    if s_max > 1:  # partial outputs of one piece's splits: [S, B, T, H, dv] and their lse [S, B, H, T], fp32
+        part_o = torch.empty((s_max, B, T, H, dv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((s_max, B, H, T), dtype=torch.float32, device=q.device)
+    attn_consts = dict(R=R, DN=dn, DR=Dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
+                       BLOCK_DR=max(16, triton.next_power_of_2(Dr)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                       BLOCK_M=block_m, BLOCK_N=block_n,
+                       DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                       num_warps=num_warps, num_stages=num_stages)
     for p in range(pieces):
         start = p * workspace_tokens
         n = min(workspace_tokens, total - start)
@@ -513,13 +670,22 @@ def mla_prefill_triton(
                 BLOCK=gather_block, num_warps=4,
             )
         torch.mm(ws[:n, :R], w_t, out=e[:n])
-        _mla_prefill_attn_kernel[grid](
-            q, e, ws, cu, out, acc, lse, sm_scale * _LOG2E, T, H, start, start + n, int(p == 0),
-            int(p == pieces - 1), q.stride(0), q.stride(1), q.stride(2), e.stride(0),
-            R=R, DN=dn, DR=Dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
-            BLOCK_DR=max(16, triton.next_power_of_2(Dr)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps, num_stages=num_stages,
+        first, last, S = int(p == 0), int(p == pieces - 1), splits[p]
+        if S == 1:
+            _mla_prefill_attn_kernel[grid](
+                q, e, ws, cu, out, acc, lse, sm_scale * _LOG2E, T, H, start, start + n, first, last, 1,
+                q.stride(0), q.stride(1), q.stride(2), e.stride(0), SPLIT=False, **attn_consts,
+            )
+            continue
+        # split-K: S programs per (query block, head, row) write partials, one merge folds them in
+        _mla_prefill_attn_kernel[(grid[0] * S, H, B)](
+            q, e, ws, cu, out, part_o, part_lse, sm_scale * _LOG2E, T, H, start, start + n, 1, 0, S,
+            q.stride(0), q.stride(1), q.stride(2), e.stride(0), SPLIT=True, **attn_consts,
+        )
+        rows = B * T * H
+        _merge_splits_kernel[(triton.cdiv(rows, _MERGE_ROWS),)](
+            part_o, part_lse, out, acc, lse, rows, T, H, S, first, last,
+            DV=dv, BLOCK_R=_MERGE_ROWS, BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=4,
         )
     return out.transpose(1, 2)
 

@@ -125,6 +125,26 @@ def test_tile_knobs_and_the_synchronising_form_match_float64(kw, gen):
     _assert_close(mp.mla_prefill_triton(*rows.args(q, w, 2048, host=False), **kw), want, 1e-2)
 
 
+@pytest.mark.parametrize("T", [1, 16, 100])
+def test_split_k_on_short_chunks_matches_the_unsplit_kernel_and_float64(T, monkeypatch, gen):
+    # bf16 at Kimi-Linear's geometry: two ragged rows with 3000 and 700 history tokens, a short chunk; forced
+    # splits and the rule switched on (this GPU's SM count), one piece and pieces of 2048
+    w = (torch.randn(H * (DN + DV), R, generator=gen) / math.sqrt(R)).to(DT).cuda()
+    rows = Rows([3000 + T, 700 + T], gen)
+    rows.write([3000, 700])
+    rows.write([T, T])
+    q = _queries(gen, 2, T)
+    want = dense(q, w, rows.truth, T)
+    monkeypatch.setattr(mp, "SPLIT_K_AUTO", True)
+    for ws in (8192, 2048):
+        unsplit = mp.mla_prefill_triton(*rows.args(q, w, ws), num_splits=1)
+        _assert_close(unsplit, want, 1e-2)
+        for kw in ({"num_splits": 3}, {"num_splits": 16}, {}):
+            got = mp.mla_prefill_triton(*rows.args(q, w, ws), **kw)
+            _assert_close(got, want, 1e-2)
+            _assert_close(got, unsplit, 1e-2)
+
+
 def test_memory_is_bounded_by_the_workspace_not_the_history(gen):
     # one row of 65536 tokens, a chunk of 1024: the expanded history would be 65536 x 32 x 256 x 2 = 1 GiB
     w = (torch.randn(H * (DN + DV), R, generator=gen) / math.sqrt(R)).to(DT).cuda()

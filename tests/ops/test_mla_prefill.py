@@ -256,6 +256,79 @@ def test_tile_knobs_do_not_change_the_result(gen):
         check(mp.mla_prefill_triton(*rows.args(q, w, 24), **kw), want, torch.float16, 40, 2)
 
 
+def _short_chunk_over_history(gen, T):
+    # ragged rows after 0, 23 and 61 pads: 123, 100 and 62 history tokens (ending mid-page: page size 16),
+    # then a chunk of T tokens in every row; free pages and the tails of the last pages are NaN
+    rows = Rows([0, 23, 61], 123 + T, torch.float32, gen)
+    rows.write(123)
+    rows.write(T)
+    w = weight(gen, torch.float32)
+    q = queries(gen, 3, T, torch.float32)
+    return rows, w, q, dense(q, w, rows.truth, T)
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 33])
+def test_split_k_equals_the_unsplit_kernel_and_the_float64_reference(T, gen):
+    # splits 2, 3 and 7 of each piece's keys (7: more splits than a short row has tiles, so some are empty);
+    # workspace 512: one piece; 50: pieces that cut rows in the middle (and a piece holding two rows' ends)
+    rows, w, q, want = _short_chunk_over_history(gen, T)
+    for ws in (512, 50):
+        unsplit = mp.mla_prefill_triton(*rows.args(q, w, ws), num_splits=1)
+        check(unsplit, want, torch.float32, T, 3)
+        for splits in (2, 3, 7):
+            got = mp.mla_prefill_triton(*rows.args(q, w, ws), num_splits=splits)
+            check(got, want, torch.float32, T, 3)
+            # the same tiles in a different association of the log-sum-exp merge: fp32 rounding apart
+            torch.testing.assert_close(got, unsplit, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 33])
+def test_the_split_rule_when_switched_on_splits_short_chunks_and_keeps_the_result(T, monkeypatch, gen):
+    # one row (at 4 heads the rule splits every chunk here) and three ragged rows (the rule splits chunks of
+    # at most 16 queries: 12 programs of the unsplit grid on the interpreter's 32 stand-in SMs)
+    counts = []
+    rule = mp.mla_prefill_num_splits
+
+    def spy(*a, **k):
+        counts.append(rule(*a, **k))
+        return counts[-1]
+
+    monkeypatch.setattr(mp, "mla_prefill_num_splits", spy)
+    monkeypatch.setattr(mp, "SPLIT_K_AUTO", True)
+    rows, w, q, want = _short_chunk_over_history(gen, T)
+    check(mp.mla_prefill_triton(*rows.args(q, w, 512)), want, torch.float32, T, 3)
+    assert counts == [2 if T <= 16 else 1]  # 32 // 12 = 2; T = 33: 36 programs, no split
+    # one row of 300 history tokens: 4 programs (12 at T = 33); in one piece of 300 + T keys (19-21 tiles of
+    # 16) and in pieces of 200 and 100 + T keys
+    one = Rows([0], 300 + T, torch.float32, gen)
+    one.write(300 + T)
+    q1 = queries(gen, 1, T, torch.float32)
+    want1 = dense(q1, w, one.truth, T)
+    expected = {1: ([4], [3, 1]), 7: ([5], [3, 1]), 16: ([5], [3, 2]), 33: ([2], [2, 2])}[T]
+    for ws, want_counts in zip((512, 200), expected):
+        counts.clear()
+        check(mp.mla_prefill_triton(*one.args(q1, w, ws)), want1, torch.float32, T, 1)
+        assert counts == want_counts
+
+
+def test_split_rule_counts():
+    # 32 heads, one row, 128 queries on an H200's 132 SMs: 32 programs, 4 splits
+    assert mp.mla_prefill_num_splits(32, 512, 132) == 4
+    assert mp.mla_prefill_num_splits(32, 10, 132) == 2  # few keys: one split per 4 tiles
+    assert mp.mla_prefill_num_splits(32, 3, 132) == 1
+    assert mp.mla_prefill_num_splits(1, 10_000, 132) == 132
+    assert mp.mla_prefill_num_splits(66, 512, 132) == 2
+    assert mp.mla_prefill_num_splits(67, 512, 132) == 1  # more than half a wave: 2 splits would spill over
+    assert mp.mla_prefill_num_splits(132, 512, 132) == 1  # a full wave: off
+    assert mp.mla_prefill_num_splits(5000, 512, 132) == 1
+    assert mp.mla_prefill_num_splits(32, 512, 132, programs_per_sm=2) == 8
+    assert mp.mla_prefill_num_splits(32, 512, 132, min_split_tiles=256) == 2
+    assert mp.SPLIT_K_AUTO is False  # off by default until a GPU run has timed it
+    # per piece, the most keys of one row: rows of 5, 0, 70 tokens in pieces of 16 (packed 0-4 | 5-74)
+    assert mp._row_keys_in_pieces([5, 0, 70], 5, 16) == [11, 16, 16, 16, 11]
+    assert mp._row_keys_in_pieces([40], 1, 64) == [40]
+
+
 def test_opcheck_and_compiled_graph(gen):
     rows = Rows([0, 2], 12, torch.float32, gen)
     rows.write(12)
@@ -311,7 +384,7 @@ def test_bad_inputs_raise_with_the_numbers(gen):
         for fn in (torch.ops.unimem.mla_prefill, mp.mla_prefill_triton):
             with pytest.raises(exc, match=text.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(")):
                 fn(*bad)
-    for knob, value in (("block_m", 8), ("block_n", 48), ("num_warps", 3), ("num_stages", 0)):
+    for knob, value in (("block_m", 8), ("block_n", 48), ("num_warps", 3), ("num_stages", 0), ("num_splits", 0)):
         with pytest.raises(ValueError, match=f"{knob} must be"):
             mp.mla_prefill_triton(*args, **{knob: value})
 
@@ -341,8 +414,9 @@ consts = dict(R=512, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=
               BLOCK_N=t["block_n"], DOT_PRECISION="tf32")
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 # several pieces: fp32 running output and lse buffers; one piece: both are the bf16 result (never read, but
-# compiled: the branch that reads them must type-check too)
-for running in ("*fp32", "*bf16"):
+# compiled: the branch that reads them must type-check too); split-K: the fp32 partial buffers
+for running, split in (("*fp32", False), ("*bf16", False), ("*fp32", True)):
+    consts["SPLIT"] = split
     types = dict(q_ptr="*bf16", e_ptr="*bf16", ws_ptr="*bf16", cu_ptr="*i32", out_ptr="*bf16", acc_ptr=running,
                  lse_ptr=running, qk_scale="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
@@ -360,7 +434,7 @@ for running in ("*fp32", "*bf16"):
                                    text=True).stdout
         found = re.search(r"STACK:(\d+)", usage)
         stack = int(found.group(1)) if found else None
-    print("RESULT " + json.dumps({"running": running, "wgmma": ptx.count("wgmma.mma_async"),
+    print("RESULT " + json.dumps({"running": running, "split": split, "wgmma": ptx.count("wgmma.mma_async"),
                                   "mma_sync": ptx.count("mma.sync"), "shared": k.metadata.shared, "stack": stack,
                                   "tiles": t}), flush=True)
 '''
@@ -371,10 +445,11 @@ sm90_compiles.register("mla_prefill_hopper", _HOPPER_CHILD)
 
 def test_hopper_default_tiles_compile_to_wgmma_in_shared_memory_without_spills():
     # CI has no GPU: compile the attention kernel for sm_90 ahead of time (no driver needed) with the tiles
-    # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry. A child process, because this test
+    # the launcher picks on an H100/H200, bf16 at Kimi-Linear's geometry, unsplit and split-K. A child process, because this test
     # process runs Triton in the interpreter (the session's one launch of such compiles: tests/sm90_compiles.py).
     out = sm90_compiles.results("mla_prefill_hopper")
-    assert len(out) == 2, f"the compile script printed {len(out)} RESULT lines, not 2"
+    assert len(out) == 3, f"the compile script printed {len(out)} RESULT lines, not 3"
+    assert [k["split"] for k in out] == [False, False, True]
     for k in out:
         _check_hopper_compile(k)
 
