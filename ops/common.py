@@ -31,6 +31,7 @@ set when ``UNIMEM_DEBUG=1`` (costs a device sync; read through :func:`unimem_com
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ __all__ = [
     "check_mla_geometry",
     "check_slot_geometry",
     "check_knob",
+    "device_sms",
     "check_live_locations",
     "check_live_page_table",
     "check_live_slots",
@@ -383,3 +385,17 @@ def latent_rows(v2p: torch.Tensor, loc: torch.Tensor, layer: int, layer_num: int
     live = phys >= page_size  # physical page >= 1
     dense = ref.translate_kv_loc_dense(v2p, loc, page_size, layer_num) + layer * page_size
     return torch.where(live, dense, 0), live
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device, interpreter_sms: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (``multi_processor_count``, cached per device index; the
+    current device when ``device.index`` is None); ``interpreter_sms`` for any other device, so that CPU and
+    interpreter runs take the same grid rules as a GPU of that many SMs (each kernel module names its own count)."""
+    if device.type != "cuda":
+        return interpreter_sms
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -39,7 +39,7 @@ from unimem_compile.errors import GeometryError
 
 from . import fp8
 from .common import (COMPUTE_DTYPES, check_knob, check_live_page_table, check_mla_geometry, check_same_device,
-                     check_tensor)
+                     check_tensor, device_sms)
 from unimem_compile.pool.specs import FP8_TILE
 
 from .geometry import MLAGeometry
@@ -455,15 +455,8 @@ def merge_tile(batch: int, num_heads: int, kv_lora_rank: int, num_splits: int, s
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device_sms(device, INTERPRETER_SMS)
 
 
 def mla_decode_num_splits(batch: int, max_pages: int, num_heads: int, page_size: int, device: torch.device,

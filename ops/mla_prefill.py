@@ -65,7 +65,6 @@ the same.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -77,7 +76,7 @@ from unimem_compile.errors import GeometryError
 
 from . import fp8
 from .common import (COMPUTE_DTYPES, arena_rows, check_kernel_device, check_knob, check_live_page_table,
-                     check_mla_geometry, check_same_device, check_tensor, latent_rows, typed_rows)
+                     check_mla_geometry, check_same_device, check_tensor, device_sms, latent_rows, typed_rows)
 from .geometry import MLAGeometry
 
 # The op object is ``torch.ops.unimem.mla_prefill`` (or ``unimem_compile.ops.mla_prefill.mla_prefill``):
@@ -149,15 +148,8 @@ def mla_prefill_num_splits(programs: int, key_tiles: int, sms: int, *,
     return max(1, min(target // max(programs, 1), key_tiles // min_split_tiles))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device_sms(device, INTERPRETER_SMS)
 
 
 def _row_keys_in_pieces(lengths: list[int], pieces: int, workspace_tokens: int) -> list[int]:
