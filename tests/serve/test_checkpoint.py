@@ -91,6 +91,10 @@ def test_serve_refuses_a_missing_folder_before_listening(tmp_path, capsys, monke
     (["--kv-dtype", "float8_e5m2"], r"--kv-dtype 'float8_e5m2' is float8_e5m2, which the MLA ops cannot store; "
                                     r"accepted: bfloat16, float16, float32, float8_e4m3fn, float8_e4m3fnuz"),
     (["--backend", "inductr"], r"--backend 'inductr' is not a torch.compile backend; known: .*aot_eager.*inductor"),
+    (["--port", "65536"], r"--port must be in \[0, 65535\] \(0: any free port\), got 65536"),
+    (["--port", "-1"], r"--port must be in \[0, 65535\] \(0: any free port\), got -1"),
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be a finite number of seconds >= 0, got -1"),
+    (["--shutdown-timeout", "nan"], r"--shutdown-timeout must be a finite number of seconds >= 0, got nan"),
 ])
 def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, message, capsys, monkeypatch):
     """Exit status 2 and one line, as for --model: both used to start a server whose /health answered
