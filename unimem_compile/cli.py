@@ -219,6 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():  # demo refuses it so too; the load would fail
+        print("unimem-compile serve: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
     backends = torch._dynamo.list_backends(exclude_tags=())
     if args.backend not in backends:
         print(f"unimem-compile serve: --backend {args.backend!r} is not a torch.compile backend; known: "

@@ -108,3 +108,20 @@ def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, messag
     assert main(["serve", "--model", "kimi-linear-tiny", *option]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and err.count("\n") == 1
+
+
+def test_serve_refuses_device_cuda_without_cuda_before_listening(capsys, monkeypatch):
+    """As demo does: the server used to come up and answer /health "failed" with torch's "Torch not compiled
+    with CUDA enabled" until stopped (then exit status 1)."""
+    import torch
+
+    import unimem_compile.serve.server as server
+
+    def started(options):
+        raise AssertionError("the server was started with --device cuda and no CUDA")
+
+    monkeypatch.setattr(server, "serve", started)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--model", "kimi-linear-tiny", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "unimem-compile serve: --device cuda but CUDA is not available\n"
