@@ -196,6 +196,14 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"unimem-compile serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
                   file=sys.stderr)
             return 2
+    if not 0 <= args.port <= 65535:  # uvicorn's bind would raise OverflowError with a traceback, exit status 1
+        print(f"unimem-compile serve: --port must be in [0, 65535] (0: any free port), got {args.port}",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.shutdown_timeout < math.inf:  # a negative or NaN one was taken, cutting every request
+        print(f"unimem-compile serve: --shutdown-timeout must be a finite number of seconds >= 0, got "
+              f"{args.shutdown_timeout:g}", file=sys.stderr)
+        return 2
     if args.memory_budget is not None and not (0 < args.memory_budget < math.inf):
         print(f"unimem-compile serve: --memory-budget must be bytes (> 1) or a fraction in (0, 1], got "
               f"{args.memory_budget:g}", file=sys.stderr)
@@ -211,6 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():  # demo refuses it so too; the load would fail
+        print("unimem-compile serve: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
     backends = torch._dynamo.list_backends(exclude_tags=())
     if args.backend not in backends:
         print(f"unimem-compile serve: --backend {args.backend!r} is not a torch.compile backend; known: "

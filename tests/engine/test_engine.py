@@ -433,6 +433,33 @@ def test_bad_eos_ids_and_an_empty_request_id_are_refused_and_the_others_go_on(pa
     assert_idle(model, manager)
 
 
+def test_a_pad_id_outside_the_vocabulary_is_refused_so_no_neighbour_fails(pair):
+    """A row that finishes inside a decode block feeds its pad to the embedding while its neighbours run: a
+    pad_token_id past the vocabulary raised IndexError there and failed every row of the block (the
+    neighbour included). add_request refuses it now, the request's or the generation config's, with the
+    numbers; the neighbour runs to stock's tokens."""
+    stock, model = pair
+    vocab = model.config.vocab_size
+    p, q = prompts([6, 11], seed=23, vocab=vocab)
+    manager = model.init_continuous_batching()
+    shown = f"pad_token_id={vocab + 5} is outside the vocabulary [0, {vocab})"
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        manager.add_request(p, max_new_tokens=2, pad_token_id=vocab + 5)
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        manager.add_requests([p], max_new_tokens=2, pad_token_id=vocab + 5)
+    config = GenerationConfig(pad_token_id=vocab, eos_token_id=None)
+    with pytest.raises(ValueError, match=re.escape(f"pad_token_id={vocab} is outside the vocabulary")):
+        model.init_continuous_batching(config).add_request(p, max_new_tokens=2)
+    assert manager.metrics()["waiting"] == 0
+    # the largest id in the vocabulary is a pad: the short row ends inside the long row's block
+    short = manager.add_request(p, max_new_tokens=2, pad_token_id=vocab - 1)
+    long = manager.add_request(q, max_new_tokens=12)
+    results = drain(manager)
+    assert results[short].generated_tokens == reference(stock, p, 2)
+    assert results[long].error is None and results[long].generated_tokens == reference(stock, q, 12)
+    assert_idle(model, manager)
+
+
 def test_a_config_edited_between_requests_applies_to_the_next_and_overrides_never_leak(pair, monkeypatch):
     """add_request resolves the generation config once and copies it per request (a deep copy and
     transformers' resolution per request cost ~300 us on a server's event-loop thread); an edit of the

@@ -91,6 +91,10 @@ def test_serve_refuses_a_missing_folder_before_listening(tmp_path, capsys, monke
     (["--kv-dtype", "float8_e5m2"], r"--kv-dtype 'float8_e5m2' is float8_e5m2, which the MLA ops cannot store; "
                                     r"accepted: bfloat16, float16, float32, float8_e4m3fn, float8_e4m3fnuz"),
     (["--backend", "inductr"], r"--backend 'inductr' is not a torch.compile backend; known: .*aot_eager.*inductor"),
+    (["--port", "65536"], r"--port must be in \[0, 65535\] \(0: any free port\), got 65536"),
+    (["--port", "-1"], r"--port must be in \[0, 65535\] \(0: any free port\), got -1"),
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be a finite number of seconds >= 0, got -1"),
+    (["--shutdown-timeout", "nan"], r"--shutdown-timeout must be a finite number of seconds >= 0, got nan"),
 ])
 def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, message, capsys, monkeypatch):
     """Exit status 2 and one line, as for --model: both used to start a server whose /health answered
@@ -104,3 +108,20 @@ def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, messag
     assert main(["serve", "--model", "kimi-linear-tiny", *option]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and err.count("\n") == 1
+
+
+def test_serve_refuses_device_cuda_without_cuda_before_listening(capsys, monkeypatch):
+    """As demo does: the server used to come up and answer /health "failed" with torch's "Torch not compiled
+    with CUDA enabled" until stopped (then exit status 1)."""
+    import torch
+
+    import unimem_compile.serve.server as server
+
+    def started(options):
+        raise AssertionError("the server was started with --device cuda and no CUDA")
+
+    monkeypatch.setattr(server, "serve", started)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--model", "kimi-linear-tiny", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "unimem-compile serve: --device cuda but CUDA is not available\n"

@@ -217,7 +217,8 @@ class ContinuousBatchingManager:
             RuntimeError: after :meth:`stop`. QueueFull: ``max_queue`` requests wait.
             ValueError: an empty prompt, a token id outside the vocabulary, ``max_new_tokens <= 0``, an empty
                 request id or one in use, an ``eos_token_id`` that is an empty list or holds an id outside the
-                vocabulary, an unknown keyword (named), a setting out of range.
+                vocabulary, a ``pad_token_id`` (the request's or the generation config's) outside the vocabulary,
+                an unknown keyword (named), a setting out of range.
             GeometryError: prompt + ``max_new_tokens`` above ``max_seq_len``, or more than the arena could
                 ever hold for one request (the sizes are in the message).
             UnsupportedGenerationSetting: a setting the decode runner does not apply (named).
@@ -520,6 +521,10 @@ class ContinuousBatchingManager:
         if config.do_sample and seed is None:
             seed = draw_seeds(1)[0]
         settings = RowSettings.from_generation_config(config, len(prompt), seed=0 if seed is None else seed)
+        if settings.pad_token_id >= self.vocab_size:  # a finished row feeds its pad to the embedding while
+            # others in its decode block still run: an IndexError there would fail every row of the block
+            raise ValueError(f"pad_token_id={settings.pad_token_id} is outside the vocabulary [0, {self.vocab_size}): "
+                             "a row that finishes inside a decode block feeds it to the model's embedding")
         max_eos = self.engine.runner.state.max_eos
         if len(settings.eos_token_ids) > max_eos:
             raise GenerationSettingError(f"eos_token_id has {len(settings.eos_token_ids)} ids; a decode row holds "
