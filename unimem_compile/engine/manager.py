@@ -128,7 +128,7 @@ class ContinuousBatchingManager:
         self._streaming: dict[str, bool] = {}
         self._timestamps: dict[str, bool] = {}
         self._sent: dict[str, int] = {}  # streaming request id -> tokens in its last output
-        self._resolved = None  # _resolved_config's cache: (base, model config, deep copies of their fields, resolved config)
+        self._resolved = None  # _resolved_config's cache: (base, model config, their fields x2, resolved)
 
     # ------------------------------------------------------------------ control
     def is_running(self) -> bool:
