@@ -14,14 +14,15 @@
 #          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit;
 #          the reduced run's arena shrinks with its trace so that memory binds: bench_serving's docstring says why)
 #          issue 23's decision, one device call each (bench_serving's docstring, "GPU, issue 23 in three calls", says how
-#          this reduced preset departs from the issue and why): bench_serving_stationary (the rate from --find-rate on
-#          the stationary trace, then every engine system on it), bench_serving_phased (the step check, then every
-#          engine system on the phased trace at SERVE_RATE, the rate the first call found: its JSON's "rate", its log's
-#          "rate search" line; unset: it searches again, ~40 s more), bench_serving_stock (stock generate_batch and
-#          stock static cache + compile on the phased trace at SERVE_RATE, default 8). Expected (estimates from
-#          2026-12-02's call, not measured with this warm-up): build ~25 s and warm-up ~310 s in each of the first
-#          two, then the rate search ~40 s and five systems of 10-40 s (stationary), or the step check ~45 s and
-#          five systems of 10-40 s (phased): 450-530 s; --deadline-s 480 starts no system later, limit 570 s
+#          this reduced preset departs from the issue and why): bench_serving_rate (--find-rate alone on the stationary
+#          trace: the floor 3/s first, halved while unbounded, then bisected up to 6/s, 4 runs; its log's "rate search"
+#          line and its JSON's "rate" give SERVE_RATE), bench_serving_stationary and bench_serving_phased (the step
+#          check first) run every engine system on their trace at SERVE_RATE (unset: the stationary step searches
+#          first, and then its last systems fall past the deadline, as on 2026-12-02), bench_serving_stock (stock
+#          generate_batch and stock static cache + compile on the phased trace at SERVE_RATE, default 8). Measured
+#          2026-12-02 (fourteenth session): build ~14 s, warm-up 227 s on a new machine and 95 s once its caches are
+#          warm, a stationary run at 4/s ~51 s, a phased one ~65 s, the step check ~45 s; 4 rate runs near 3-4.5/s
+#          ~170 s; --deadline-s 480 starts no system later, limit 570 s
 #          bench_tp tp_example (need 2 GPUs: TP 1 then TP 2 of the 8-layer real-geometry model; the example
 #          over NCCL; NVLink multicast off)
 #          fp8 (issue 22): fp8_decode_tests fp8_tests bench_mla_write_fp8 bench_mla_decode_fp8 bench_mla_decode_l2
@@ -83,9 +84,10 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 # systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
 SERVE_REDUCED="--scale 0.05 --budget-gib 0.75 --max-batch 32 --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
-SERVE_FIND="--find-rate --rate-lo 4 --rate-hi 52 --rate-iters 5"
-SERVE_PHASED_RATE=${SERVE_RATE:+--rate $SERVE_RATE}
-SERVE_PHASED_RATE=${SERVE_PHASED_RATE:-$SERVE_FIND}
+# 2026-12-02 at 4/s every system served ~2.9 requests/s (overloaded): the search starts at 3/s
+SERVE_FIND="--find-rate --rate-lo 3 --rate-hi 6 --rate-iters 4"
+SERVE_AT_RATE=${SERVE_RATE:+--rate $SERVE_RATE}
+SERVE_AT_RATE=${SERVE_AT_RATE:-$SERVE_FIND}
 
 # failures print their tracebacks at the end of a run: a per-test limit (pytest-timeout) lets a slow or hung
 # test fail alone instead of the step's limit killing the run before its summary
@@ -175,12 +177,15 @@ for s in "$@"; do
                       --deadline-s "$(( ${GEN_LIMIT:-400} - 30 ))" --bundle "$OUT/json/generate_fp8.json" ;;
     bench_serving) run_step bench_serving "${SERVE_LIMIT:-570}" python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving.json" --plots "$OUT" ${SERVE_ARGS:---scale 0.05 --budget-gib 0.75 --max-batch 32 --systems static0.5,unified --traces phased --rate 8 --step-check} ;;
+    bench_serving_rate) run_step bench_serving_rate 570 python3 -P benchmarks/bench_serving.py \
+                     --out "$OUT/json/serving_rate.json" --plots "$OUT/plots_rate" $SERVE_REDUCED \
+                     --traces stationary --systems "" $SERVE_FIND --deadline-s 480 ;;
     bench_serving_stationary) run_step bench_serving_stationary 570 python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving_stationary.json" --plots "$OUT/plots_stationary" $SERVE_REDUCED \
-                     --traces stationary --systems $SERVE_SYSTEMS $SERVE_FIND --deadline-s 480 ;;
+                     --traces stationary --systems $SERVE_SYSTEMS $SERVE_AT_RATE --deadline-s 480 ;;
     bench_serving_phased) run_step bench_serving_phased 570 python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving_phased.json" --plots "$OUT/plots_phased" $SERVE_REDUCED \
-                     --traces phased --systems $SERVE_SYSTEMS $SERVE_PHASED_RATE --step-check --deadline-s 480 ;;
+                     --traces phased --systems $SERVE_SYSTEMS $SERVE_AT_RATE --step-check --deadline-s 480 ;;
     bench_serving_stock) run_step bench_serving_stock 570 python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving_stock.json" --plots "$OUT/plots_stock" $SERVE_REDUCED \
                      --traces phased --systems stock_cb,stock_static --rate "${SERVE_RATE:-8}" --deadline-s 480 ;;

@@ -393,6 +393,40 @@ def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios
     assert bench.comparison({"static0.5": clean}) is None
 
 
+def test_serving_rate_search_returns_only_a_rate_it_measured_bounded():
+    """find_rate against a stand-in engine whose queue is bounded below a known capacity: the floor is run
+    first and halved while unbounded (2026-12-02's search bisected above an unbounded floor of 4/s and
+    returned 4/s, never run); the result is the highest rate measured bounded, or ``bounded`` False."""
+    import argparse
+    import warnings
+
+    bench = _script("bench_serving")
+    rng = np.random.default_rng(7)
+
+    def engine(capacity):
+        def run(rate):
+            n = int(rng.integers(40, 80))
+            base = rng.integers(0, 5, n)  # a noisy queue that stays flat, or one that grows with time
+            waiting = base + (2 * np.arange(n) if rate > capacity else 0)
+            return {"timeline": {"waiting": waiting.astype(int).tolist()}, "seconds": 1.0, "confounded_by_jit": False}
+        return run
+
+    args = argparse.Namespace(rate_lo=4.0, rate_hi=52.0, rate_iters=5)
+    r = bench.find_rate(None, args, run=engine(capacity=2.7))
+    rates = [t["rate"] for t in r["tried"]]
+    assert rates[:3] == [4.0, 2.0, 3.0] and r["bounded"] is True
+    assert r["rate"] == max(t["rate"] for t in r["tried"] if t["bounded"]) and 2.5 <= r["rate"] <= 2.7
+    assert all(t["bounded"] == (t["rate"] <= 2.7) for t in r["tried"])
+    r = bench.find_rate(None, args, run=engine(capacity=30.0))
+    assert [t["rate"] for t in r["tried"]][:2] == [4.0, 28.0] and r["bounded"] and 28.0 <= r["rate"] <= 30.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = bench.find_rate(None, args, run=engine(capacity=0.01))
+    assert r["bounded"] is False and r["rate"] == 0.125 and not any(t["bounded"] for t in r["tried"])
+    assert any("0.125/s was never run" in str(w.message) for w in caught)
+    assert bench.queue_bounded([3, 3]) and bench.queue_bounded([5, 9, 2, 1, 17]) and not bench.queue_bounded([5, 9, 2, 1, 18])
+
+
 def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
     """--deadline-s 0: every system is recorded as skipped (nothing timed runs, so no warm-up either), the
     JSON and the plot are written, with the rate and where it came from."""
