@@ -438,6 +438,37 @@ def profile_category(name: str) -> str:
     return "other"
 
 
+#: CUDA runtime / driver calls by what they cost the host: a launch enqueues work; a blocking call waits for
+#: the GPU (a synchronisation, or a copy to pageable host memory, which waits for the stream first)
+HOST_LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cuLaunchKernelEx|cudaGraphLaunch)")
+HOST_BLOCKING = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy$|"
+                           r"cudaMemcpyAsync|cuMemcpyDtoH)")
+
+
+def host_summary(cpu_events, wall_ms: float, top: int = 15) -> dict:
+    """The host side of a profiled CUDA call from ``(name, self_cpu_ms, calls)`` per CPU event name (runtime
+    calls and operators, ``key_averages``): ``launches`` / ``launch_ms`` (kernel launches and their host
+    time), ``blocking_calls`` / ``blocking_ms`` (synchronisations and blocking copies: time the host waited for
+    the GPU, during which it enqueued nothing), ``other_ms`` (the other events' self time: operators' host code,
+    allocations, other runtime calls), ``untraced_ms`` (``wall_ms`` less every event's self time: Python between
+    operators, which the profiler does not see), ``top`` (the ``top`` longest names by self time, runtime calls
+    included). With the wall and
+    the kernel time it says which bound a chunk: the GPU (blocking_ms large, busy high) or the host (busy low,
+    blocking_ms small: other_ms names where)."""
+    launches = launch_ms = blocking = blocking_ms = total = 0.0
+    for name, ms, calls in cpu_events:
+        total += ms
+        if HOST_LAUNCH.match(name):
+            launches, launch_ms = launches + calls, launch_ms + ms
+        elif HOST_BLOCKING.match(name):
+            blocking, blocking_ms = blocking + calls, blocking_ms + ms
+    ranked = sorted(cpu_events, key=lambda e: -e[1])[:top]
+    return {"launches": int(launches), "launch_ms": launch_ms, "blocking_calls": int(blocking),
+            "blocking_ms": blocking_ms, "other_ms": total - launch_ms - blocking_ms,
+            "untraced_ms": max(0.0, wall_ms - total),
+            "top": [{"name": n[:120], "ms": ms, "calls": int(c)} for n, ms, c in ranked]}
+
+
 def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
     """Where one call of ``fn`` spends its device time: ``torch.profiler`` over one call (after ``fn`` has run
     once, so compiles are not in it). On CUDA: every kernel's duration (ms), summed per name and per
@@ -445,7 +476,8 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
     for the host, or kernels overlapped less than they could). On the CPU: the operators' self time instead
     (``key_averages``), the same categories. Returns ``{"wall_ms", "kernel_ms", "busy_fraction", "by_category":
     {category: {"ms", "fraction", "calls"}}, "top": [{"name", "category", "ms", "calls"}]}`` with ``top`` the
-    ``top`` longest names; ``kernel_ms`` is the sum over every name, so the categories' ms add up to it."""
+    ``top`` longest names; ``kernel_ms`` is the sum over every name, so the categories' ms add up to it. On CUDA
+    also ``host``: :func:`host_summary` of the CPU events (launches, blocking calls, where the rest went)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -467,6 +499,10 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0:
                 per_name[e.key] = [e.self_cpu_time_total / 1e3, e.count]
+    host = None
+    if cuda:
+        host = host_summary([(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+                             if e.self_cpu_time_total > 0], wall_ms)
     kernel_ms = sum(ms for ms, _ in per_name.values())
     by_category: dict[str, dict] = {}
     for name, (ms, calls) in per_name.items():
@@ -479,7 +515,7 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
     return {"wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_fraction": kernel_ms / wall_ms if wall_ms else 0.0,
             "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1]["ms"])),
             "top": [{"name": n[:200], "category": profile_category(n), "ms": ms, "calls": calls}
-                    for n, (ms, calls) in ranked]}
+                    for n, (ms, calls) in ranked], **({"host": host} if host is not None else {})}
 
 
 def model_level(args) -> dict:
@@ -577,6 +613,12 @@ def model_level(args) -> dict:
                 parts = ", ".join(f"{c} {v['ms']:.1f} ms ({v['fraction']:.0%})" for c, v in prof["by_category"].items())
                 print(f"{tokens:>7} {system:>9} profile: {prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} "
                       f"ms (busy {prof['busy_fraction']:.0%}): {parts}")
+                if "host" in prof:
+                    h = prof["host"]
+                    names = ", ".join(f"{e['name'][:40]} {e['ms']:.1f} ms x{e['calls']}" for e in h["top"][:8])
+                    print(f"{tokens:>7} {system:>9} host: {h['launches']} launches {h['launch_ms']:.1f} ms, "
+                          f"{h['blocking_calls']} blocking calls {h['blocking_ms']:.1f} ms, other {h['other_ms']:.1f} "
+                          f"ms, untraced {h['untraced_ms']:.1f} ms; top: {names}")
         print(f"{tokens:>7} bound {bound_ms:.1f} ms ({flops['total'] / 1e12:.2f} TFLOP; re-expansion in mla_prefill "
               f"{flops['reexpansion_flops'] / 1e12:.2f} TFLOP more)")
         if args.out:  # rewritten after every row: a run cut short keeps what it measured

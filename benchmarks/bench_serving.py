@@ -209,6 +209,24 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def time_split(counters: dict, memory_stats: dict, seconds: float) -> dict:
+    """Where a run's wall time went, from the engine's counters (seconds; ``seconds`` is the run's wall):
+    ``decode_s`` (decode blocks with their readback, which also waits for the GPU work queued before them),
+    ``prefill_s`` (prefill forwards: host time, plus the GPU wait of the chunks that end a prompt),
+    ``other_step_s`` (the rest of the engine's steps: cancellations, growth, admission, bookkeeping),
+    ``idle_s`` (the engine thread outside steps: waiting for requests, handing results over); with the step
+    and prefill-forward counts, prefill tokens and the pool's compactions and bytes moved in the run
+    (``memory_stats``)."""
+    step_s = counters.get("step_s", 0.0)
+    return {"steps": counters["steps"], "step_s": step_s, "decode_s": counters["decode_s"],
+            "prefill_s": counters["prefill_s"],
+            "other_step_s": max(0.0, step_s - counters["decode_s"] - counters["prefill_s"]),
+            "idle_s": max(0.0, seconds - step_s), "prefill_chunks": counters.get("prefill_chunks", 0),
+            "prefill_tokens": counters["prefill_tokens"],
+            "prefill_tokens_per_s": counters["prefill_tokens"] / counters["prefill_s"] if counters["prefill_s"] else None,
+            "compactions": memory_stats.get("compactions"), "bytes_moved": memory_stats.get("bytes_moved")}
+
+
 def run_engine(model, system: str, trace: list[dict], args, share: float | None = None, drain: bool = True) -> dict:
     """Serve ``trace`` on the engine with ``system``'s memory; returns the metrics (module docstring).
     ``drain=False`` stops at the last arrival (what is still running is stopped, not served): the rate
@@ -233,6 +251,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     prompts = [rng.integers(0, vocab, r["prompt"]).tolist() for r in trace]
     refused = []
     graphs_before = _compiled_graphs()
+    moved_before = manager.engine.memory.stats()  # the pool's counts since it was built: this run's are the growth
     with torch.no_grad(), TritonCompiles() as jit:
         manager.start()
         start = time.perf_counter()
@@ -287,6 +306,8 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
         "output_tokens_per_s": tokens / seconds, "requests_per_s": len(results) / seconds, "seconds": seconds,
         "decode_ms_per_step": 1e3 * counters["decode_s"] / max(1, counters["decode_steps"]),
         "mean_rows_per_step": counters["decode_row_steps"] / max(1, counters["decode_steps"]),
+        "time_split": time_split(counters, {k: v - moved_before[k] for k, v in manager.engine.memory.stats().items()},
+                                 seconds),
         "leaked_pages": stats["kv_pages_used"], "leaked_slots": stats["state_slots_used"],
         "kv_share": share if share is not None else getattr(manager.engine.memory, "kv_fraction", None),
         "arena_bytes": lay.memory_budget,
@@ -867,6 +888,12 @@ def main(argv=None) -> int:
                                            "graphs_compiled_in_run", "triton_compiles_in_run", "confounded_by_jit",
                                            "kv_share", "error") if k in r}
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
+            if "time_split" in r:
+                ts = r["time_split"]
+                print(f"{name:10s} {system:12s} time: " + ", ".join(
+                    f"{k} {ts[k]:.2f} s" for k in ("decode_s", "prefill_s", "other_step_s", "idle_s"))
+                    + f" of {r['seconds']:.2f} s; {ts['steps']} steps, {ts['prefill_chunks']} prefill forwards of "
+                    f"{ts['prefill_tokens']} tokens, {ts['compactions']} compactions", flush=True)
             if r.get("confounded_by_jit"):
                 print(f"{name:10s} {system:12s} WARNING: confounded by JIT "
                       f"{json.dumps(r.get('triton_kernels_compiled_in_run'))}", flush=True)

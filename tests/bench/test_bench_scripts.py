@@ -427,6 +427,21 @@ def test_serving_rate_search_returns_only_a_rate_it_measured_bounded():
     assert bench.queue_bounded([3, 3]) and bench.queue_bounded([5, 9, 2, 1, 17]) and not bench.queue_bounded([5, 9, 2, 1, 18])
 
 
+def test_serving_time_split_accounts_for_the_wall_from_the_engine_counters():
+    """time_split: decode + prefill + the rest of the steps = step_s, step_s + idle = the run's wall."""
+    bench = _script("bench_serving")
+    rng = np.random.default_rng(3)
+    decode, prefill, rest, idle = rng.uniform(0.5, 5.0, 4)
+    counters = {"steps": 517, "step_s": decode + prefill + rest, "decode_s": decode, "prefill_s": prefill,
+                "prefill_chunks": 61, "prefill_tokens": 40_960}
+    ts = bench.time_split(counters, {"compactions": 3, "bytes_moved": 1 << 20}, decode + prefill + rest + idle)
+    assert ts["steps"] == 517 and ts["prefill_chunks"] == 61 and ts["compactions"] == 3 and ts["bytes_moved"] == 1 << 20
+    assert abs(ts["other_step_s"] - rest) < 1e-9 and abs(ts["idle_s"] - idle) < 1e-9
+    assert abs(ts["decode_s"] + ts["prefill_s"] + ts["other_step_s"] - ts["step_s"]) < 1e-9
+    assert abs(ts["prefill_tokens_per_s"] - 40_960 / prefill) < 1e-6
+    assert bench.time_split(dict(counters, prefill_s=0.0, prefill_tokens=0), {}, 10.0)["prefill_tokens_per_s"] is None
+
+
 def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
     """--deadline-s 0: every system is recorded as skipped (nothing timed runs, so no warm-up either), the
     JSON and the plot are written, with the rate and where it came from."""

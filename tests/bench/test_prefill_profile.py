@@ -68,3 +68,18 @@ def test_profile_row_must_be_one_of_the_rows(capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "40", "--profile-row", "64"])
     assert e.value.code == 2 and "--profile-row 64 is not one of the rows [40]" in capsys.readouterr().err
+
+
+def test_host_summary_sorts_runtime_calls_into_launches_blocking_and_the_rest():
+    """host_summary: exact counts and sums from synthetic CPU events; the four parts add up to the wall."""
+    bench = _bench()
+    events = [("cudaLaunchKernel", 3.25, 300), ("cuLaunchKernelEx", 0.75, 40), ("cudaStreamSynchronize", 7.5, 2),
+              ("cudaMemcpyAsync", 1.5, 9), ("aten::empty_strided", 2.0, 120), ("aten::mm", 1.0, 30),
+              ("cudaMemcpyToSymbol", 0.25, 1)]
+    h = bench.host_summary(events, wall_ms=20.0, top=3)
+    assert (h["launches"], h["blocking_calls"]) == (340, 11)
+    assert h["launch_ms"] == pytest.approx(4.0) and h["blocking_ms"] == pytest.approx(9.0)
+    assert h["other_ms"] == pytest.approx(3.25) and h["untraced_ms"] == pytest.approx(3.75)
+    assert h["launch_ms"] + h["blocking_ms"] + h["other_ms"] + h["untraced_ms"] == pytest.approx(20.0)
+    assert [e["name"] for e in h["top"]] == ["cudaStreamSynchronize", "cudaLaunchKernel", "aten::empty_strided"]
+    assert bench.host_summary(events, wall_ms=1.0)["untraced_ms"] == 0.0

@@ -197,6 +197,9 @@ def test_a_row_grows_only_by_the_tokens_it_has_left(pair):
     results = drain(manager)
     assert manager.engine.counters["preemptions"] == 0
     assert manager.engine.counters["peak_rows"] == 2
+    c = manager.engine.counters  # one forward per prompt, nothing preempted: exact counts
+    assert (c["prefill_chunks"], c["prefill_tokens"]) == (2, 20)
+    assert c["step_s"] >= c["decode_s"] + c["prefill_s"] > 0
     assert results[a].generated_tokens == reference(stock, short, 2)
     assert results[b].generated_tokens == reference(stock, long_, 12)
     assert_idle(model, manager)

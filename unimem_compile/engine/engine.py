@@ -125,9 +125,10 @@ class Engine:
 
     Attributes:
         scheduler: the :class:`~.scheduler.Scheduler`. rows: the decoding requests, row ``i`` = ``rows[i]``.
-        counters: ``steps``, ``decode_steps``, ``decode_row_steps`` (rows x steps), ``decode_s`` (seconds in
-            decode blocks, readback included), ``prefill_tokens``, ``prefill_s`` (seconds of prefill chunks:
-            only a chunk that ends a prompt synchronises, so the others' time is their launch),
+        counters: ``steps``, ``step_s`` (seconds inside :meth:`step`, all of its parts), ``decode_steps``,
+            ``decode_row_steps`` (rows x steps), ``decode_s`` (seconds in decode blocks, readback included),
+            ``prefill_tokens``, ``prefill_chunks`` (model forwards of prefill), ``prefill_s`` (seconds of prefill
+            chunks: only a chunk that ends a prompt synchronises, so the others' time is their launch),
             ``generated_tokens``, ``preemptions``, ``refusals`` (steps whose queue head found no room),
             ``refused_with_room`` (of those, the ones while the whole arena's free bytes could hold the request),
             ``finished``, ``failed``, ``cancelled``, ``peak_rows`` (most rows in one decode block).
@@ -159,8 +160,8 @@ class Engine:
         from ..hf.generate_checks import _cache_kwarg
 
         self._cache_kwarg = _cache_kwarg(model)
-        self.counters = dict(steps=0, decode_steps=0, decode_row_steps=0, decode_s=0.0, prefill_tokens=0,
-                             prefill_s=0.0, generated_tokens=0, preemptions=0, refusals=0, refused_with_room=0,
+        self.counters = dict(steps=0, step_s=0.0, decode_steps=0, decode_row_steps=0, decode_s=0.0, prefill_tokens=0,
+                             prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0, refusals=0, refused_with_room=0,
                              finished=0, failed=0, cancelled=0, peak_rows=0)
         self._cancel: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
@@ -193,6 +194,7 @@ class Engine:
         touched: dict[str, EngineRequest] = {}
         with self.handle.generate_lock, torch.no_grad():
             self.counters["steps"] += 1
+            started = time.perf_counter()
             self._occupy()
             for req in self._take_cancellations():
                 touched[req.rid] = req
@@ -201,6 +203,7 @@ class Engine:
             self._admit()
             for req in self._prefill():
                 touched[req.rid] = req
+            self.counters["step_s"] += time.perf_counter() - started
         return list(touched.values())
 
     # ------------------------------------------------------------------ the runner's row state
@@ -424,6 +427,7 @@ class Engine:
         out = self.model(**inputs, return_dict=True)
         req.prefilled += chunk
         self.counters["prefill_tokens"] += chunk
+        self.counters["prefill_chunks"] += 1
         if req.prefilled < len(req.prefill_ids):
             return None
         return out.logits[:, -1]
