@@ -33,7 +33,10 @@ long-context requests are not run: the message says what a static cache for them
 Metrics per system: mean and peak concurrent requests (requests holding memory, sampled every 0.25 s),
 preemptions, TTFT and TPOT p50 / p99 (seconds), output tokens/s and requests/s over the run, refusals (steps
 whose queue head found no room) and refusals with room (the arena's free bytes could have held it), pages
-and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots.
+and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots;
+``time_split`` (:func:`time_split`): the run's wall in decode blocks, prefill forwards, the rest of the engine's
+steps and idle time, with the prefill forward count and the pool's compactions (2026-12-02's runs lacked it:
+decode was under a tenth of the wall and the rest was not attributed).
 ``--step-check``: the engine's decode step at 32 running rows against the runner's ``generate()`` step at
 batch 32 (ms per step; the target is within 1.2x); it runs before the traces.
 
