@@ -46,7 +46,11 @@ def _free_port() -> int:
 def torchrun(*args: str, limit: float = LAUNCH_LIMIT_S) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc-per-node 2 ARGS`` on a free port, killed (its whole process
     group) after ``limit`` seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    # one compile thread per rank: two ranks share CI's two cores, and Inductor's compile-worker pool adds
+    # processes and threads to each (a rank died once with "terminate called without an active exception" while
+    # both compiled into a cold cache, 2026-12-02; not reproduced alone)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
