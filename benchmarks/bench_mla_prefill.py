@@ -452,9 +452,8 @@ def host_summary(cpu_events, wall_ms: float, top: int = 15) -> dict:
     the GPU, during which it enqueued nothing), ``other_ms`` (the other events' self time: operators' host code,
     allocations, other runtime calls), ``untraced_ms`` (``wall_ms`` less every event's self time: Python between
     operators, which the profiler does not see), ``top`` (the ``top`` longest names by self time, runtime calls
-    included). With the wall and
-    the kernel time it says which bound a chunk: the GPU (blocking_ms large, busy high) or the host (busy low,
-    blocking_ms small: other_ms names where)."""
+    included). With the wall and the kernel time it says which bound a chunk: the GPU (blocking_ms large, busy
+    high) or the host (busy low, blocking_ms small: other_ms and untraced_ms say where)."""
     launches = launch_ms = blocking = blocking_ms = total = 0.0
     for name, ms, calls in cpu_events:
         total += ms

@@ -220,13 +220,11 @@ def time_split(counters: dict, memory_stats: dict, seconds: float) -> dict:
     ``idle_s`` (the engine thread outside steps: waiting for requests, handing results over); with the step
     and prefill-forward counts, prefill tokens and the pool's compactions and bytes moved in the run
     (``memory_stats``)."""
-    step_s = counters.get("step_s", 0.0)
-    return {"steps": counters["steps"], "step_s": step_s, "decode_s": counters["decode_s"],
-            "prefill_s": counters["prefill_s"],
-            "other_step_s": max(0.0, step_s - counters["decode_s"] - counters["prefill_s"]),
-            "idle_s": max(0.0, seconds - step_s), "prefill_chunks": counters.get("prefill_chunks", 0),
-            "prefill_tokens": counters["prefill_tokens"],
-            "prefill_tokens_per_s": counters["prefill_tokens"] / counters["prefill_s"] if counters["prefill_s"] else None,
+    step_s, decode_s, prefill_s = counters["step_s"], counters["decode_s"], counters["prefill_s"]
+    return {"steps": counters["steps"], "step_s": step_s, "decode_s": decode_s, "prefill_s": prefill_s,
+            "other_step_s": max(0.0, step_s - decode_s - prefill_s), "idle_s": max(0.0, seconds - step_s),
+            "prefill_chunks": counters["prefill_chunks"], "prefill_tokens": counters["prefill_tokens"],
+            "prefill_tokens_per_s": counters["prefill_tokens"] / prefill_s if prefill_s else None,
             "compactions": memory_stats.get("compactions"), "bytes_moved": memory_stats.get("bytes_moved")}
 
 

@@ -160,9 +160,9 @@ class Engine:
         from ..hf.generate_checks import _cache_kwarg
 
         self._cache_kwarg = _cache_kwarg(model)
-        self.counters = dict(steps=0, step_s=0.0, decode_steps=0, decode_row_steps=0, decode_s=0.0, prefill_tokens=0,
-                             prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0, refusals=0, refused_with_room=0,
-                             finished=0, failed=0, cancelled=0, peak_rows=0)
+        self.counters = dict(steps=0, step_s=0.0, decode_steps=0, decode_row_steps=0, decode_s=0.0,
+                             prefill_tokens=0, prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0,
+                             refusals=0, refused_with_room=0, finished=0, failed=0, cancelled=0, peak_rows=0)
         self._cancel: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
         self._saved = None  # this engine's rows of the runner's state while someone else used it
