@@ -36,7 +36,13 @@ whose queue head found no room) and refusals with room (the arena's free bytes c
 and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots;
 ``time_split`` (:func:`time_split`): the run's wall in decode blocks, prefill forwards, the rest of the engine's
 steps and idle time, with the prefill forward count and the pool's compactions (2026-12-02's runs lacked it:
-decode was under a tenth of the wall and the rest was not attributed).
+decode was under a tenth of the wall and the rest was not attributed); ``prefill_forwards``
+(:func:`prefill_forwards`): every prefill forward's wall, by kind (first or later chunk, final or not, size),
+with the slowest and the correlation with the rows decoding beside it (2026-12-02 (fifteenth session): prefill
+took 54-64 s of each phased run's 59-69 s, ~240 ms per forward of ~1.6k tokens).
+``--prefill-probe`` (:func:`prefill_probe`): after the warm-up, one request's prefill at a time through
+``generate()``, the engine stepped on the caller's thread and a started manager, with a profile: whether the
+engine's prefill is slow alone or only inside a run.
 ``--step-check``: the engine's decode step at 32 running rows against the runner's ``generate()`` step at
 batch 32 (ms per step; the target is within 1.2x); it runs before the traces.
 
@@ -212,6 +218,53 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def log_prefill_forwards(engine) -> list[tuple]:
+    """Wrap ``engine``'s prefill forward (this instance only) to record each call as ``(tokens, start, ms,
+    final, decoding)``: the chunk's new tokens, the tokens its request stored before it, the call's wall
+    (ms; the host's enqueue time, plus the GPU wait when ``final``: the chunk that ends a prompt reads its
+    logits), whether it was final, and the rows decoding beside it. No synchronisation is added: the
+    engine runs as it does unwrapped. Returns the list the calls append to."""
+    log: list[tuple] = []
+    forward = engine._prefill_chunk
+
+    def logged(req, chunk):
+        start, t = req.prefilled, time.perf_counter()
+        logits = forward(req, chunk)
+        log.append((int(chunk), int(start), (time.perf_counter() - t) * 1e3, logits is not None, len(engine.rows)))
+        return logits
+
+    engine._prefill_chunk = logged
+    return log
+
+
+def prefill_forwards(log: list[tuple]) -> dict | None:
+    """Summary of :func:`log_prefill_forwards`' records (ms per forward, p50 / p90 / max, overall and by
+    kind: first chunks (``start`` 0) and later ones, final and not, chunks of < 1024 and >= 1024 tokens; ms
+    per 1k tokens p50), the five slowest forwards, and the Pearson correlation of a forward's ms with the rows
+    decoding beside it (None: fewer than 3 forwards or no spread)."""
+    if not log:
+        return None
+    arr = np.asarray(log, dtype=np.float64)
+    tokens, start, ms, final, rows = arr.T
+
+    def stats(mask):
+        sel = ms[mask]
+        return {"forwards": int(mask.sum()), "p50_ms": percentile(sel, 50), "p90_ms": percentile(sel, 90),
+                "max_ms": float(sel.max()) if len(sel) else None}
+
+    every = np.ones(len(ms), dtype=bool)
+    corr = None
+    if len(ms) >= 3 and ms.std() > 0 and rows.std() > 0:
+        corr = float(np.corrcoef(ms, rows)[0, 1])
+    slowest = sorted(log, key=lambda e: -e[2])[:5]
+    return {"all": stats(every), "first_chunk": stats(start == 0), "later_chunk": stats(start > 0),
+            "final": stats(final > 0), "not_final": stats(final == 0), "under_1k_tokens": stats(tokens < 1024),
+            "from_1k_tokens": stats(tokens >= 1024), "ms_per_1k_tokens_p50": percentile(1e3 * ms / tokens, 50),
+            "corr_ms_rows_decoding": corr,
+            "slowest": [{"tokens": int(t), "start": int(s0), "ms": m, "final": bool(f), "decoding": int(r)}
+                        for t, s0, m, f, r in slowest]}
+
+
 def time_split(counters: dict, memory_stats: dict, seconds: float) -> dict:
     """Where a run's wall time went, from the engine's counters (seconds; ``seconds`` is the run's wall):
     ``decode_s`` (decode blocks with their readback, which also waits for the GPU work queued before them),
@@ -253,6 +306,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     refused = []
     graphs_before = _compiled_graphs()
     moved_before = manager.engine.memory.stats()  # the pool's counts since it was built: this run's are the growth
+    forwards = log_prefill_forwards(manager.engine)
     with torch.no_grad(), TritonCompiles() as jit:
         manager.start()
         start = time.perf_counter()
@@ -309,6 +363,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
         "mean_rows_per_step": counters["decode_row_steps"] / max(1, counters["decode_steps"]),
         "time_split": time_split(counters, {k: v - moved_before[k] for k, v in manager.engine.memory.stats().items()},
                                  seconds),
+        "prefill_forwards": prefill_forwards(forwards),
         "leaked_pages": stats["kv_pages_used"], "leaked_slots": stats["state_slots_used"],
         "kv_share": share if share is not None else getattr(manager.engine.memory, "kv_fraction", None),
         "arena_bytes": lay.memory_budget,
@@ -505,6 +560,113 @@ def step_check(model, args) -> dict:
     return {"rows": rows, "prompt": prompt, "runner_ms_per_step": runner_ms, "engine_ms_per_step": engine_ms,
             "ratio": engine_ms / runner_ms, "target": 1.2,
             "mean_rows_per_step": c["decode_row_steps"] / max(1, c["decode_steps"])}
+
+
+#: prompt lengths of ``--prefill-probe`` (tokens; the smoke preset divides them by 32)
+PROBE_LENGTHS = (256, 1024, 2048, 4096, 16384)
+#: of those, the lengths whose engine prefill runs once more under the profiler
+PROBE_PROFILED = (1024, 4096)
+
+
+def prefill_probe(model, args, repeats: int = 3) -> dict:
+    """One request's prefill at a time, three ways on the same compiled model, to attribute the engine's
+    prefill time (2026-12-02: ~240 ms per prefill forward of ~1.6k tokens inside the trace runs, against
+    ~24 ms for a 4k-token prefill of half the layers in bench_mla_prefill):
+
+    * ``generate``: ``model.generate(prompt, max_new_tokens=1, prefill_chunk_size=--max-prefill-tokens)``;
+    * ``engine_sync``: the engine stepped on this thread (``manager.step()`` until idle), one request of
+      ``max_new_tokens=1``;
+    * ``engine_thread``: the same request through a started manager (its background loop), the caller
+      blocked in ``get_result``, as the trace runs do.
+
+    Each length (:data:`PROBE_LENGTHS`) runs once untimed per way (compiles, autotuning), then ``repeats``
+    times; the record keeps the median wall (ms) and, for the engine, the engine's own ``prefill_s`` per
+    forward. The engine's way at :data:`PROBE_PROFILED` runs once more under ``torch.profiler``
+    (``bench_mla_prefill.kernel_breakdown``: kernel time, busy fraction, the host's launches, blocking calls
+    and untraced Python). Returns ``{"lengths": [{"tokens", "generate_ms", "engine_sync_ms",
+    "engine_thread_ms", "engine_forwards", "engine_prefill_ms_per_forward", "profile"?}], "chunk": int}``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # python -P leaves the script's folder off the path
+        sys.path.insert(0, here)
+    from bench_mla_prefill import kernel_breakdown
+
+    device = model.unimem.pool.device
+    scale = 1 / 32 if args.smoke else 1
+    lengths = [max(2, int(n * scale)) for n in PROBE_LENGTHS]
+    lengths = [n for n in lengths if n + 2 <= args.max_seq_len]
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(args.seed + 7)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn) -> float:
+        fn()
+        walls = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            walls.append((time.perf_counter() - t) * 1e3)
+        return float(np.median(walls))
+
+    rows = []
+    with torch.no_grad():
+        for n in lengths:
+            prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
+            ids = torch.tensor([prompt], device=device)
+            mask = torch.ones_like(ids)  # random ids may hit the pad id: every position is a token
+
+            def by_generate():
+                model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                               prefill_chunk_size=args.max_prefill_tokens)
+
+            sync_manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)
+
+            def by_engine():
+                sync_manager.add_request(prompt, max_new_tokens=1)
+                while sync_manager.step():
+                    pass
+                out = sync_manager.get_result()
+                if out is None or out.error is not None:
+                    raise RuntimeError(f"prefill probe: the engine's request of {n} tokens failed: "
+                                       f"{None if out is None else out.error}")
+
+            row = {"tokens": n, "generate_ms": timed(by_generate)}
+            c = sync_manager.engine.counters
+            before = c["prefill_chunks"], c["prefill_s"]
+            row["engine_sync_ms"] = timed(by_engine)
+            forwards, seconds = c["prefill_chunks"] - before[0], c["prefill_s"] - before[1]
+            row["engine_forwards"] = forwards / (repeats + 1)
+            row["engine_prefill_ms_per_forward"] = 1e3 * seconds / max(1, forwards)
+            if n in PROBE_PROFILED or (args.smoke and n == lengths[0]):
+                row["profile"] = kernel_breakdown(by_engine, device)
+            manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)
+            manager.start()
+            try:
+                def by_thread():
+                    rid = manager.add_request(prompt, max_new_tokens=1)
+                    out = manager.get_result(rid, timeout=600)
+                    if out is None or out.error is not None:
+                        raise RuntimeError(f"prefill probe: the started manager's request of {n} tokens failed")
+
+                row["engine_thread_ms"] = timed(by_thread)
+            finally:
+                manager.stop(block=True)
+            rows.append(row)
+            prof = row.get("profile")
+            extra = (f"; profiled engine: {prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms "
+                     f"(busy {prof['busy_fraction']:.0%})" + (
+                         f", host {json.dumps({k: v for k, v in prof['host'].items() if k != 'top'})}, top "
+                         + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in prof["host"]["top"][:8])
+                         if "host" in prof else "")) if prof else ""
+            print(f"prefill probe {n:6d} tokens: generate {row['generate_ms']:.1f} ms, engine (this thread) "
+                  f"{row['engine_sync_ms']:.1f} ms ({row['engine_forwards']:g} forwards, "
+                  f"{row['engine_prefill_ms_per_forward']:.1f} ms each), engine (started manager) "
+                  f"{row['engine_thread_ms']:.1f} ms{extra}", flush=True)
+    return {"chunk": args.max_prefill_tokens, "repeats": repeats, "lengths": rows}
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
@@ -803,6 +965,9 @@ def main(argv=None) -> int:
     add_engine_arguments(p)
     p.add_argument("--sim-tick-s", type=float, default=0.05, help="seconds per simulator tick for simbest")
     p.add_argument("--step-check", action="store_true", help="decode step at 32 rows: engine vs runner generate()")
+    p.add_argument("--prefill-probe", action="store_true",
+                   help="one request's prefill at a time: generate() vs the engine on this thread vs a started "
+                        "manager, with a profile (prefill_probe); runs after the warm-up, before the traces")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="seconds after start past which no further system starts (each is recorded as skipped; "
                         "stock_static starts no further batch); the JSON is written after every system, so a run "
@@ -840,18 +1005,23 @@ def main(argv=None) -> int:
               "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "build_s": time.perf_counter() - t_start}
-    if any(s not in ("stock_cb", "stock_static") for s in systems) or args.find_rate or args.step_check:
+    if (any(s not in ("stock_cb", "stock_static") for s in systems) or args.find_rate or args.step_check
+            or args.prefill_probe):
         record["warm_up"] = warm_up(model, args)  # compiles and captures outside every timed run
         record["warm_up_s"] = record["warm_up"]["seconds"]
         w = record["warm_up"]
         print(f"warm-up {w['seconds']:.1f} s: {w['requests']} requests ({w['failed']} failed), {w['chunks']} "
               f"prefill chunks, {w['graphs_compiled']} graphs, {w['triton_compiles']} Triton compiles "
               f"{json.dumps(w['triton_kernels_compiled'])}; uncovered {w['uncovered']}", flush=True)
+    if args.prefill_probe:
+        record["prefill_probe"] = prefill_probe(model, args)
+        save()
     if args.find_rate:
         record["rate_search"] = find_rate(model, args)
         args.rate = record["rate_search"]["rate"]
         print("rate search", json.dumps(record["rate_search"]), flush=True)
-    if args.rate is None:
+    traces = [t for t in args.traces.split(",") if t]
+    if args.rate is None and traces:
         p.error("--rate is required (or --find-rate)")
     record["rate"] = args.rate
     record["rate_source"] = "--find-rate" if args.find_rate else "--rate"
@@ -859,7 +1029,11 @@ def main(argv=None) -> int:
         record["step_check"] = step_check(model, args)
         print("step check", json.dumps(record["step_check"]), flush=True)
     results = record["results"] = {}
-    for name in [t for t in args.traces.split(",") if t]:
+    if not traces:  # a probe or a rate search alone
+        save()
+        print(f"wrote {out} in {time.perf_counter() - t_start:.0f} s")
+        return 0
+    for name in traces:
         trace = make_trace(name, args.rate, args.seed, args.scale, args.scale_tokens)
         if args.smoke:  # the tiny model's max_seq_len
             for r in trace:
@@ -895,6 +1069,14 @@ def main(argv=None) -> int:
                     f"{k} {ts[k]:.2f} s" for k in ("decode_s", "prefill_s", "other_step_s", "idle_s"))
                     + f" of {r['seconds']:.2f} s; {ts['steps']} steps, {ts['prefill_chunks']} prefill forwards of "
                     f"{ts['prefill_tokens']} tokens, {ts['compactions']} compactions", flush=True)
+            pf = r.get("prefill_forwards")
+            if pf:
+                print(f"{name:10s} {system:12s} prefill forwards (ms p50/p90/max): " + ", ".join(
+                    f"{k} {pf[k]['p50_ms'] or 0:.1f}/{pf[k]['p90_ms'] or 0:.1f}/{pf[k]['max_ms'] or 0:.1f} (n={pf[k]['forwards']})"
+                    for k in ("all", "first_chunk", "later_chunk", "final", "not_final", "under_1k_tokens",
+                              "from_1k_tokens")) + f"; {pf['ms_per_1k_tokens_p50'] or 0:.1f} ms per 1k tokens p50, "
+                    f"corr with rows decoding {pf['corr_ms_rows_decoding']}; slowest {json.dumps(pf['slowest'])}",
+                    flush=True)
             if r.get("confounded_by_jit"):
                 print(f"{name:10s} {system:12s} WARNING: confounded by JIT "
                       f"{json.dumps(r.get('triton_kernels_compiled_in_run'))}", flush=True)

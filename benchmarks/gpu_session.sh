@@ -18,7 +18,10 @@
 #          trace: the floor 3/s first, halved while unbounded, then bisected up to 6/s, 4 runs; its log's "rate search"
 #          line and its JSON's "rate" give SERVE_RATE), bench_serving_stationary and bench_serving_phased (the step
 #          check first) run every engine system on their trace at SERVE_RATE (unset: the stationary step searches
-#          first, and then its last systems fall past the deadline, as on 2026-12-02), bench_serving_stock (stock
+#          first, and then its last systems fall past the deadline, as on 2026-12-02), bench_serving_probe (the warm-up,
+#          then one request's prefill at a time: generate() vs the engine on the caller's thread vs a started
+#          manager, profiled; attributes the ~240 ms per prefill forward the 2026-12-02 trace runs showed),
+#          bench_serving_stock (stock
 #          generate_batch and stock static cache + compile on the phased trace at SERVE_RATE, default 8). Measured
 #          2026-12-02 (fourteenth session): build ~14 s, warm-up 227 s on a new machine and 95 s once its caches are
 #          warm, a stationary run at 4/s ~51 s, a phased one ~65 s, the step check ~45 s; 4 rate runs near 3-4.5/s
@@ -180,6 +183,8 @@ for s in "$@"; do
     bench_serving_rate) run_step bench_serving_rate 570 python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving_rate.json" --plots "$OUT/plots_rate" $SERVE_REDUCED \
                      --traces stationary --systems "" $SERVE_FIND --deadline-s 480 ;;
+    bench_serving_probe) run_step bench_serving_probe 570 python3 -P benchmarks/bench_serving.py \
+                     --out "$OUT/json/serving_probe.json" $SERVE_REDUCED --traces "" --systems "" --prefill-probe ;;
     bench_serving_stationary) run_step bench_serving_stationary 570 python3 -P benchmarks/bench_serving.py \
                      --out "$OUT/json/serving_stationary.json" --plots "$OUT/plots_stationary" $SERVE_REDUCED \
                      --traces stationary --systems $SERVE_SYSTEMS $SERVE_AT_RATE --deadline-s 480 ;;

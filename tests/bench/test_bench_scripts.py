@@ -443,6 +443,81 @@ def test_serving_time_split_accounts_for_the_wall_from_the_engine_counters():
     assert bench.time_split(dict(counters, prefill_s=0.0, prefill_tokens=0), {}, 10.0)["prefill_tokens_per_s"] is None
 
 
+def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
+    """log_prefill_forwards wraps one engine instance's forward (the class keeps its own), records (tokens, start,
+    ms, final, rows decoding) per call and passes the logits through; prefill_forwards' counts per kind are exact
+    and its percentiles are numpy's over the recorded ms."""
+    bench = _script("bench_serving")
+    rng = np.random.default_rng(11)
+    plan = [(int(rng.integers(16, 3000)), bool(rng.integers(0, 2))) for _ in range(40)]
+
+    class Req:
+        prefilled = 0
+
+    class StandIn:
+        def __init__(self):
+            self.rows = []
+
+        def _prefill_chunk(self, req, chunk):
+            req.prefilled += chunk
+            return "logits" if done else None
+
+    engine = StandIn()
+    log = bench.log_prefill_forwards(engine)
+    assert StandIn._prefill_chunk is not engine._prefill_chunk
+    req, starts = Req(), []
+    for i, (tokens, done) in enumerate(plan):
+        engine.rows = [None] * (i % 5)
+        starts.append(req.prefilled)
+        assert engine._prefill_chunk(req, tokens) == ("logits" if done else None)
+        if done:
+            req.prefilled = 0
+    assert [(t, s, f, r) for t, s, _, f, r in log] == [(t, s, d, i % 5) for i, ((t, d), s) in
+                                                       enumerate(zip(plan, starts))]
+    ms = np.array([e[2] for e in log])
+    assert (ms >= 0).all()
+    pf = bench.prefill_forwards(log)
+    first = np.array([s == 0 for s in starts])
+    assert pf["all"]["forwards"] == 40 and pf["first_chunk"]["forwards"] == int(first.sum())
+    assert pf["later_chunk"]["forwards"] == 40 - int(first.sum())
+    assert pf["final"]["forwards"] == sum(d for _, d in plan)
+    assert pf["under_1k_tokens"]["forwards"] == sum(t < 1024 for t, _ in plan)
+    assert pf["all"]["p50_ms"] == float(np.percentile(ms, 50)) and pf["all"]["max_ms"] == float(ms.max())
+    assert [e["ms"] for e in pf["slowest"]] == sorted(ms.tolist(), reverse=True)[:5]
+    fixed = [(100, 0, 5.0, True, 1), (200, 0, 10.0, True, 2), (400, 100, 20.0, False, 4)]
+    pf = bench.prefill_forwards(fixed)
+    assert pf["ms_per_1k_tokens_p50"] == 50.0 and abs(pf["corr_ms_rows_decoding"] - 1.0) < 1e-12
+    assert pf["from_1k_tokens"] == {"forwards": 0, "p50_ms": None, "p90_ms": None, "max_ms": None}
+    assert bench.prefill_forwards([]) is None
+
+
+def test_serving_prefill_probe_times_the_three_ways_and_counts_the_engine_forwards():
+    """prefill_probe on the tiny model (CPU, aot_eager, no warm-up: the first call of each way compiles, untimed):
+    one row per probe length that fits max_seq_len, every wall positive, the engine's forwards per request
+    exactly ceil(tokens / chunk), the profiled length carries a kernel breakdown, and the pool is empty after."""
+    import argparse
+
+    bench = _script("bench_serving")
+    args = argparse.Namespace(smoke=True, model=None, budget_gib=None, max_batch=None, max_seq_len=None,
+                              page_size=None, scale=1.0, rate=None, max_prefill_tokens=4096, seed=0,
+                              device="cpu", keep_stock=False)
+    bench.apply_presets(args)
+    torch._dynamo.reset()
+    model, _ = bench.build(args)
+    probe = bench.prefill_probe(model, args, repeats=1)
+    lengths = [max(2, n // 32) for n in bench.PROBE_LENGTHS]
+    assert [r["tokens"] for r in probe["lengths"]] == [n for n in lengths if n + 2 <= args.max_seq_len]
+    assert probe["chunk"] == args.max_prefill_tokens == 32
+    for r in probe["lengths"]:
+        assert r["engine_forwards"] == -(-r["tokens"] // 32)
+        assert min(r["generate_ms"], r["engine_sync_ms"], r["engine_thread_ms"], r["engine_prefill_ms_per_forward"]) > 0
+    profiled = [r for r in probe["lengths"] if "profile" in r]
+    assert [r["tokens"] for r in profiled] == [lengths[0]]
+    assert profiled[0]["profile"]["wall_ms"] > 0 and profiled[0]["profile"]["by_category"]
+    s = model.unimem.stats()
+    assert (s["kv_pages_used"], s["state_slots_used"]) == (0, 0)
+
+
 def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
     """--deadline-s 0: every system is recorded as skipped (nothing timed runs, so no warm-up either), the
     JSON and the plot are written, with the rate and where it came from."""
