@@ -588,7 +588,7 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:  # python -P leaves the script's folder off the path
         sys.path.insert(0, here)
-    from bench_mla_prefill import kernel_breakdown
+    from bench_mla_prefill import _sync, kernel_breakdown
 
     device = model.unimem.pool.device
     scale = 1 / 32 if args.smoke else 1
@@ -597,18 +597,14 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed + 7)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def timed(fn) -> float:
         fn()
         walls = []
         for _ in range(repeats):
-            sync()
+            _sync(device)
             t = time.perf_counter()
             fn()
-            sync()
+            _sync(device)
             walls.append((time.perf_counter() - t) * 1e3)
         return float(np.median(walls))
 
@@ -656,12 +652,15 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
             finally:
                 manager.stop(block=True)
             rows.append(row)
+            extra = ""
             prof = row.get("profile")
-            extra = (f"; profiled engine: {prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms "
-                     f"(busy {prof['busy_fraction']:.0%})" + (
-                         f", host {json.dumps({k: v for k, v in prof['host'].items() if k != 'top'})}, top "
-                         + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in prof["host"]["top"][:8])
-                         if "host" in prof else "")) if prof else ""
+            if prof:
+                extra = (f"; profiled engine: {prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms "
+                         f"(busy {prof['busy_fraction']:.0%})")
+                host = prof.get("host")  # CUDA only
+                if host:
+                    extra += (f", host {json.dumps({k: v for k, v in host.items() if k != 'top'})}, top "
+                              + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in host["top"][:8]))
             print(f"prefill probe {n:6d} tokens: generate {row['generate_ms']:.1f} ms, engine (this thread) "
                   f"{row['engine_sync_ms']:.1f} ms ({row['engine_forwards']:g} forwards, "
                   f"{row['engine_prefill_ms_per_forward']:.1f} ms each), engine (started manager) "
@@ -1071,12 +1070,12 @@ def main(argv=None) -> int:
                     f"{ts['prefill_tokens']} tokens, {ts['compactions']} compactions", flush=True)
             pf = r.get("prefill_forwards")
             if pf:
-                print(f"{name:10s} {system:12s} prefill forwards (ms p50/p90/max): " + ", ".join(
-                    f"{k} {pf[k]['p50_ms'] or 0:.1f}/{pf[k]['p90_ms'] or 0:.1f}/{pf[k]['max_ms'] or 0:.1f} (n={pf[k]['forwards']})"
-                    for k in ("all", "first_chunk", "later_chunk", "final", "not_final", "under_1k_tokens",
-                              "from_1k_tokens")) + f"; {pf['ms_per_1k_tokens_p50'] or 0:.1f} ms per 1k tokens p50, "
-                    f"corr with rows decoding {pf['corr_ms_rows_decoding']}; slowest {json.dumps(pf['slowest'])}",
-                    flush=True)
+                kinds = ("all", "first_chunk", "later_chunk", "final", "not_final", "under_1k_tokens", "from_1k_tokens")
+                by_kind = ", ".join(f"{k} {pf[k]['p50_ms'] or 0:.1f}/{pf[k]['p90_ms'] or 0:.1f}/"
+                                    f"{pf[k]['max_ms'] or 0:.1f} (n={pf[k]['forwards']})" for k in kinds)
+                print(f"{name:10s} {system:12s} prefill forwards (ms p50/p90/max): {by_kind}; "
+                      f"{pf['ms_per_1k_tokens_p50'] or 0:.1f} ms per 1k tokens p50, corr with rows decoding "
+                      f"{pf['corr_ms_rows_decoding']}; slowest {json.dumps(pf['slowest'])}", flush=True)
             if r.get("confounded_by_jit"):
                 print(f"{name:10s} {system:12s} WARNING: confounded by JIT "
                       f"{json.dumps(r.get('triton_kernels_compiled_in_run'))}", flush=True)

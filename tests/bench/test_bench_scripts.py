@@ -453,6 +453,7 @@ def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
 
     class Req:
         prefilled = 0
+        ends_prompt = False  # whether the next chunk is the prompt's last (the stand-in then returns logits)
 
     class StandIn:
         def __init__(self):
@@ -460,7 +461,7 @@ def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
 
         def _prefill_chunk(self, req, chunk):
             req.prefilled += chunk
-            return "logits" if done else None
+            return "logits" if req.ends_prompt else None
 
     engine = StandIn()
     log = bench.log_prefill_forwards(engine)
@@ -469,6 +470,7 @@ def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
     for i, (tokens, done) in enumerate(plan):
         engine.rows = [None] * (i % 5)
         starts.append(req.prefilled)
+        req.ends_prompt = done
         assert engine._prefill_chunk(req, tokens) == ("logits" if done else None)
         if done:
             req.prefilled = 0
@@ -510,7 +512,8 @@ def test_serving_prefill_probe_times_the_three_ways_and_counts_the_engine_forwar
     assert probe["chunk"] == args.max_prefill_tokens == 32
     for r in probe["lengths"]:
         assert r["engine_forwards"] == -(-r["tokens"] // 32)
-        assert min(r["generate_ms"], r["engine_sync_ms"], r["engine_thread_ms"], r["engine_prefill_ms_per_forward"]) > 0
+        walls = r["generate_ms"], r["engine_sync_ms"], r["engine_thread_ms"], r["engine_prefill_ms_per_forward"]
+        assert min(walls) > 0
     profiled = [r for r in probe["lengths"] if "profile" in r]
     assert [r["tokens"] for r in profiled] == [lengths[0]]
     assert profiled[0]["profile"]["wall_ms"] > 0 and profiled[0]["profile"]["by_category"]
