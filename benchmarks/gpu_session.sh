@@ -45,7 +45,9 @@ source benchmarks/device_env.sh
 # overrun (tenth session: 21 model tests in 380 s with fla importable, the same tests in ~140 s without)
 # (twelfth session: bench_serving and bench_serving_http ran without it, so their prefills took the KDA reference
 # path: add them, the engine prefills through the same chunked KDA kernels as generate())
-FLA_STEPS=${FLA_STEPS:-"bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving bench_serving_http"}
+# (sixteenth session: the match is by whole step name, so bench_serving_rate / _probe / _stationary / _phased /
+# _stock ran without it through the fifteenth session: every prefill took the pure-torch KDA path, ~5x slower)
+FLA_STEPS=${FLA_STEPS:-"bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
   others=$(ls .whl/*.whl | grep -v '/fla_core-')
@@ -88,7 +90,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 SERVE_REDUCED="--scale 0.05 --budget-gib 0.75 --max-batch 32 --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
 # 2026-12-02 at 4/s every system served ~2.9 requests/s (overloaded): the search starts at 3/s
-SERVE_FIND="--find-rate --rate-lo 3 --rate-hi 6 --rate-iters 4"
+SERVE_FIND=${SERVE_FIND:-"--find-rate --rate-lo 3 --rate-hi 6 --rate-iters 4"}
 SERVE_AT_RATE=${SERVE_RATE:+--rate $SERVE_RATE}
 SERVE_AT_RATE=${SERVE_AT_RATE:-$SERVE_FIND}
 
