@@ -78,6 +78,7 @@ import triton
 from torch.nn.attention.bias import causal_lower_right
 
 from unimem_compile.ops import mla_prefill as mp
+from unimem_compile.ops.kda import kda_prefill_backend
 
 H, R, DR, DN, DV, L, LAYER, PS = 32, 512, 64, 128, 128, 7, 3, 64
 D = R + DR
@@ -530,7 +531,7 @@ def model_level(args) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "dtype": str(dtype).removeprefix("torch."), "chunk": args.chunk, "max_seq_len": max_seq_len,
-        "repeats": args.repeats, "matmul_ceiling_tflops": ceiling,
+        "repeats": args.repeats, "matmul_ceiling_tflops": ceiling, "kda_prefill": kda_prefill_backend(),
         "conditions": f"one row of random tokens, no padding, chunks of {args.chunk}, generate(max_new_tokens=1), "
                       f"best of {args.repeats} after a compiling warm-up; one max_seq_len for every row",
         "systems": {}, "rows": [],

@@ -1000,10 +1000,13 @@ def main(argv=None) -> int:
             json.dump(record, f, indent=1, default=str)
 
     model, stock = build(args)
+    from unimem_compile.ops.kda import kda_prefill_backend
     record = {"config": {k: v for k, v in vars(args).items()}, "machine": platform.node(),
               "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "build_s": time.perf_counter() - t_start}
+              "build_s": time.perf_counter() - t_start,
+              "kda_prefill": kda_prefill_backend()}  # "reference" on CUDA = ~5x slower prefills (2026-12-02)
+    print(f"KDA prefill: {json.dumps(record['kda_prefill'])}", flush=True)
     if (any(s not in ("stock_cb", "stock_static") for s in systems) or args.find_rate or args.step_check
             or args.prefill_probe):
         record["warm_up"] = warm_up(model, args)  # compiles and captures outside every timed run

@@ -206,11 +206,13 @@ def main(argv=None) -> int:
         r["output"] = int(min(max(1, round(r["output"] * args.output_factor)), args.max_seq_len // 2))
         r["prompt"] = int(min(r["prompt"], args.max_seq_len - r["output"] - 1))
     model, _ = bench_serving.build(args)
+    from unimem_compile.ops.kda import kda_prefill_backend
     warm_up_s = bench_serving.warm_up(model, args)  # every decode bucket's step and the prefill graphs
     result = {"model": args.model, "device": args.device, "torch": torch.__version__, "rate": args.rate,
               "scale": args.scale, "scale_tokens": args.scale_tokens,
               "output_factor": args.output_factor, "duration": args.duration, "requests": len(trace),
-              "budget_bytes": int(args.budget_gib * GIB), "max_batch": args.max_batch, "warm_up_s": warm_up_s}
+              "budget_bytes": int(args.budget_gib * GIB), "max_batch": args.max_batch, "warm_up_s": warm_up_s,
+              "kda_prefill": kda_prefill_backend()}
     rounds = []
     for _ in range(args.repeat):  # in-process then HTTP, each round on the same compiled model
         one = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import torch
 import triton
@@ -42,6 +43,7 @@ __all__ = [
     "kda_recurrent",
     "kda_chunked",
     "fla_chunk_kda",
+    "kda_prefill_backend",
     "l2norm_reference",
     "kda_state_step",
     "kda_step_output",
@@ -252,12 +254,54 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 # ---------------------------------------------------------------------------- prefill on CUDA
 @functools.cache
-def fla_chunk_kda():
-    """flash-linear-attention's ``chunk_kda`` if the optional ``fla`` package imports, else None."""
+def _import_fla_chunk_kda():
+    """``(chunk_kda, None)`` if ``fla.ops.kda`` imports, else ``(None, "<exception type>: <message>")``."""
     try:
-        return importlib.import_module("fla.ops.kda").chunk_kda
-    except Exception:  # any import failure (missing package, incompatible triton) means: use the reference
-        return None
+        return importlib.import_module("fla.ops.kda").chunk_kda, None
+    except Exception as e:  # any import failure (missing package, incompatible triton) means: use the reference
+        return None, f"{type(e).__name__}: {e}"
+
+
+def fla_chunk_kda():
+    """flash-linear-attention's ``chunk_kda`` if the optional ``fla`` package imports, else None.
+
+    The import is tried once per process; :func:`kda_prefill_backend` says which path CUDA prefills take and,
+    for the reference, why.
+    """
+    return _import_fla_chunk_kda()[0]
+
+
+def kda_prefill_backend() -> dict:
+    """Which chunked-KDA implementation a CUDA prefill (``kda_prefill``, ``kda_chunk``) runs in this process.
+
+    Returns ``{"backend": "fla", "version": <fla.__version__>}`` or ``{"backend": "reference", "reason":
+    <the import error>}``. The pure-torch reference is several times slower on a GPU (2026-12-02, H200,
+    8-layer Kimi-Linear geometry: ~240 ms per ~1.6k-token prefill forward against ~30 ms with fla), so
+    benchmarks record this beside their numbers. CPU tensors always take the reference (fla is CUDA-only).
+    """
+    chunk, reason = _import_fla_chunk_kda()
+    if chunk is None:
+        return {"backend": "reference", "reason": reason}
+    return {"backend": "fla", "version": getattr(importlib.import_module("fla"), "__version__", "unknown")}
+
+
+_warned_reference_on_cuda = False
+
+
+def warn_reference_on_cuda(op: str) -> None:
+    """Warn once per process that ``op`` runs the pure-torch chunked KDA on CUDA tensors (fla did not import).
+
+    Silent, this cost three sessions of serving benchmarks 5x on their prefills (2026-12-02): the answer was
+    right and only the speed said anything.
+    """
+    global _warned_reference_on_cuda
+    if _warned_reference_on_cuda:
+        return
+    _warned_reference_on_cuda = True
+    warnings.warn(f"{op}: CUDA prefill runs the pure-torch chunked KDA reference because flash-linear-attention "
+                  f"is not importable ({kda_prefill_backend()['reason']}); it is correct but several times "
+                  f"slower: pip install fla-core (the `fla` extra of unimem-compile)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def kda_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -283,6 +327,8 @@ def kda_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm))
         o, final = o.to(q.dtype), final.float()
     else:
+        if q.is_cuda and chunk is None and q.shape[1] > 0:
+            warn_reference_on_cuda(op)
         o, final = kda_chunked(q, k, v, g, beta, state, scale, use_qk_l2norm)
     state_scatter_triton(arena, s_v2p, slot_ids, final.contiguous(), state_offset, slot_bytes)
     return o.contiguous()

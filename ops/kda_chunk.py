@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
-from .kda import fla_chunk_kda, kda_chunked
+from .kda import fla_chunk_kda, kda_chunked, warn_reference_on_cuda
 
 __all__ = ["kda_chunk"]
 
@@ -57,6 +57,8 @@ def _(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     _check(q, k, v, g, beta, initial_state)
     chunk = fla_chunk_kda()
     if chunk is None or q.shape[1] == 0:
+        if chunk is None and q.shape[1] > 0:
+            warn_reference_on_cuda("kda_chunk")
         o, final = kda_chunked(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
     else:
         o, final = chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),

@@ -249,6 +249,8 @@ def test_prefill_model_level_records_a_row_per_length(tmp_path):
                        "--systems", "stock", "--repeats", "1", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert [r["tokens"] for r in rec["rows"]] == [20, 40] and rec["max_seq_len"] == 56
+    from unimem_compile.ops.kda import kda_prefill_backend
+    assert rec["kda_prefill"] == kda_prefill_backend()
     for row in rec["rows"]:
         stock = row["systems"]["stock"]
         assert stock["prefill_ms"] > 0 and stock["prefill_tokens_per_s"] > 0 and row["bound_ms"] > 0
@@ -530,6 +532,8 @@ def test_serving_deadline_skips_systems_and_still_writes_the_record(tmp_path):
                        "--rate", "5", "--deadline-s", "0", "--out", str(out), "--plots", str(tmp_path)]) == 0
     rec = json.loads(out.read_text())
     assert rec["rate"] == 5.0 and rec["rate_source"] == "--rate" and "warm_up" not in rec
+    from unimem_compile.ops.kda import kda_prefill_backend
+    assert rec["kda_prefill"] == kda_prefill_backend() and rec["kda_prefill"]["backend"] in ("fla", "reference")
     assert set(rec["results"]["phased"]) == {"stock_cb", "stock_static"}
     assert all("--deadline-s 0" in r["skipped"] for r in rec["results"]["phased"].values())
     assert (tmp_path / "serving.png").exists()

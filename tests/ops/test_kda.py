@@ -2,6 +2,8 @@
 recurrent_kimi_delta_attention / chunk_kimi_delta_attention, and the ops (pure torch) and launchers (Triton
 under the interpreter) against them, on slots scattered in an arena whose pitch is not H*K*V*4."""
 
+import warnings
+
 import pytest
 import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
@@ -167,6 +169,26 @@ def test_prefill_launcher_refuses_fla_where_it_is_missing(gen):
     with pytest.raises(RuntimeError, match="chunk_kda is not importable"):
         kda.kda_prefill_cuda(q, k, v, g, beta, pool.arena.clone(), pool.s_v2p, torch.tensor(ids[:1]),
                              spec.recurrent_offset(LAYER), spec.slot_bytes, SCALE, True, use_fla=True)
+
+
+def test_prefill_backend_names_the_import_error_and_the_cuda_fallback_warns_once(monkeypatch):
+    def no_fla(name):
+        raise ImportError(f"No module named {name!r} (test)")
+
+    kda._import_fla_chunk_kda.cache_clear()
+    monkeypatch.setattr(kda.importlib, "import_module", no_fla)
+    monkeypatch.setattr(kda, "_warned_reference_on_cuda", False)
+    try:
+        assert kda.fla_chunk_kda() is None
+        assert kda.kda_prefill_backend() == {"backend": "reference",
+                                             "reason": "ImportError: No module named 'fla.ops.kda' (test)"}
+        with pytest.warns(RuntimeWarning, match=r"kda_chunk: CUDA prefill runs the pure-torch .*No module named"):
+            kda.warn_reference_on_cuda("kda_chunk")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second warning would raise here
+            kda.warn_reference_on_cuda("kda_prefill")
+    finally:
+        kda._import_fla_chunk_kda.cache_clear()  # the next caller imports for real
 
 
 # ---------------------------------------------------------------------------- contract
