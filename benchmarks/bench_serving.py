@@ -32,7 +32,9 @@ long-context requests are not run: the message says what a static cache for them
 
 Metrics per system: mean and peak concurrent requests (requests holding memory, sampled every 0.25 s),
 preemptions, TTFT and TPOT p50 / p99 (seconds), output tokens/s and requests/s over the run, refusals (steps
-whose queue head found no room) and refusals with room (the arena's free bytes could have held it), pages
+whose queue head found no room) and refusals with room (the arena's free bytes could have held it), row waits
+(steps whose queue head waited for a decode row: rows, not memory, bound admission; 2026-12-02's sixteenth-session
+runs needed it to tell the two apart), pages
 and slots in use at the end (leaks), and timelines (arena occupancy per side, tokens/s) for the plots;
 ``time_split`` (:func:`time_split`): the run's wall in decode blocks, prefill forwards, the rest of the engine's
 steps and idle time, with the prefill forward count and the pool's compactions (2026-12-02's runs lacked it:
@@ -355,7 +357,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
         "mean_concurrent": float(running.mean()) if len(running) else 0.0,
         "peak_concurrent": int(running.max()) if len(running) else 0,
         "preemptions": counters["preemptions"], "refusals": counters["refusals"],
-        "refused_with_room": counters["refused_with_room"],
+        "refused_with_room": counters["refused_with_room"], "row_waits": counters["row_waits"],
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
         "output_tokens_per_s": tokens / seconds, "requests_per_s": len(results) / seconds, "seconds": seconds,
@@ -1061,7 +1063,8 @@ def main(argv=None) -> int:
             r["wall_s"] = time.perf_counter() - t0
             results[name][system] = r
             brief = {k: r[k] for k in ("mean_concurrent", "peak_concurrent", "preemptions", "ttft_p99_s",
-                                           "output_tokens_per_s", "refused_with_room", "leaked_pages",
+                                           "output_tokens_per_s", "refused_with_room", "row_waits",
+                                           "leaked_pages",
                                            "graphs_compiled_in_run", "triton_compiles_in_run", "confounded_by_jit",
                                            "kv_share", "error") if k in r}
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)

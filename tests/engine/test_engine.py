@@ -205,6 +205,31 @@ def test_a_row_grows_only_by_the_tokens_it_has_left(pair):
     assert_idle(model, manager)
 
 
+def test_counters_tell_row_bound_from_memory_bound_admission(pair):
+    """Three requests for two rows and memory to spare: the third waits for a row (row_waits > 0), never for
+    memory (no refusal). Two requests whose pages exceed a one-page KV share, rows free: the second is refused
+    for memory on every step until the first leaves (refusals > 0), never counted as a row wait."""
+    stock, model = pair
+    ps = prompts([7, 11, 9], seed=21, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    ids = [manager.add_request(p, max_new_tokens=4) for p in ps]
+    results = drain(manager)
+    c = manager.engine.counters
+    assert c["row_waits"] >= 1 and c["refusals"] == 0 and c["row_waits"] <= c["steps"]
+    for rid, p in zip(ids, ps):
+        assert results[rid].generated_tokens == reference(stock, p, 4)
+    assert_idle(model, manager)
+
+    manager = model.init_continuous_batching(memory=quota(model, 1))
+    ids = [manager.add_request(p, max_new_tokens=4) for p in ps[:2]]  # 7 + 4 and 11 + 4 tokens: a page each
+    results = drain(manager)
+    c = manager.engine.counters
+    assert c["refusals"] >= 1 and c["row_waits"] == 0 and c["preemptions"] == 0
+    for rid, p in zip(ids, ps):
+        assert results[rid].generated_tokens == reference(stock, p, 4)
+    assert_idle(model, manager)
+
+
 def test_sampled_rows_beside_greedy_rows(pair):
     """Per-request settings in one step: a sampled request with a seed draws the same tokens beside either
     greedy neighbour, in either row (its noise depends on its seed and token index only); the greedy ones,

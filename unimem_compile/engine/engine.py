@@ -131,6 +131,7 @@ class Engine:
             chunks: only a chunk that ends a prompt synchronises, so the others' time is their launch),
             ``generated_tokens``, ``preemptions``, ``refusals`` (steps whose queue head found no room),
             ``refused_with_room`` (of those, the ones while the whole arena's free bytes could hold the request),
+            ``row_waits`` (steps whose queue head waited for a decode row: every row taken, memory not asked),
             ``finished``, ``failed``, ``cancelled``, ``peak_rows`` (most rows in one decode block).
     """
 
@@ -162,7 +163,8 @@ class Engine:
         self._cache_kwarg = _cache_kwarg(model)
         self.counters = dict(steps=0, step_s=0.0, decode_steps=0, decode_row_steps=0, decode_s=0.0,
                              prefill_tokens=0, prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0,
-                             refusals=0, refused_with_room=0, finished=0, failed=0, cancelled=0, peak_rows=0)
+                             refusals=0, refused_with_room=0, row_waits=0, finished=0, failed=0, cancelled=0,
+                             peak_rows=0)
         self._cancel: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
         self._saved = None  # this engine's rows of the runner's state while someone else used it
@@ -238,9 +240,13 @@ class Engine:
     def _admit(self) -> None:
         """FCFS admission; a head that finds no room counts as a refusal, and as a refusal with room when
         the arena's free bytes could hold its pages, its state, the reserve and one page + one slot of slack
-        (the memory was there, but on the other side of a static split)."""
+        (the memory was there, but on the other side of a static split). A head stopped by the row limit
+        (``max_running``, the runner's rows) counts as a row wait instead: what bound admission, memory or
+        rows, is then readable from the counters."""
         _, blocked = self.scheduler.admit()
         if blocked is None:
+            if self.scheduler.waiting:  # admission stopped with requests left: the running limit
+                self.counters["row_waits"] += 1
             return
         self.counters["refusals"] += 1
         m = self.memory

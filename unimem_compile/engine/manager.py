@@ -332,7 +332,9 @@ class ContinuousBatchingManager:
         """A snapshot for a server: ``running``, ``waiting`` (requests), ``kv_bytes``, ``state_bytes``,
         ``free_bytes``, ``reserved_bytes`` (the memory's fixed overheads: sink, tail pad), ``budget_bytes``
         (arena; exactly the sum of the four before it), ``generated_tokens``, ``tokens_per_s`` (since start),
-        ``preemptions``, ``finished``, ``failed``, ``cancelled``, ``steps``, ``decode_steps``, ``peak_rows``."""
+        ``preemptions``, ``finished``, ``failed``, ``cancelled``, ``steps``, ``decode_steps``, ``peak_rows`` and
+        the engine's other counters (:class:`~.engine.Engine`: ``refusals``, ``refused_with_room``,
+        ``row_waits``, the prefill and decode times)."""
         e = self.engine
         m = e.memory
         with self._lock:
