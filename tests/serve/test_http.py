@@ -250,6 +250,11 @@ def test_bad_chat_bodies_and_unknown_model(live):
     err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
         {"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}), 400)
     assert err["param"] == "max_completion_tokens" and "(3)" in err["message"] and "(4)" in err["message"]
+    for field in ("max_tokens", "max_completion_tokens"):  # the limit error names the field the client sent
+        err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
+            {"role": "user", "content": "x"}], field: 64}), 400)
+        assert err["param"] == field and err["code"] == "context_length_exceeded", err
+        assert f"{field} (64)" in err["message"] and "max_seq_len of 64 tokens" in err["message"], err
     err = _error(_post(server, "/v1/chat/completions", {"model": "fake", "messages": [
         {"role": "user", "content": "x"}], "stop": [""]}), 400)
     assert err["param"] == "stop" and "empty stop string" in err["message"]

@@ -294,10 +294,12 @@ def _check_model(state: ServerState, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _limits(state: ServerState, prompt_ids: list[int], max_tokens: Optional[int], prompt_param: str) -> int:
+def _limits(state: ServerState, prompt_ids: list[int], max_tokens: Optional[int], prompt_param: str,
+            limit_param: str = "max_tokens") -> int:
     """``max_new_tokens`` for a prompt: ``max_tokens``, or (None) as many as ``max_seq_len`` leaves; 400
     when the prompt is empty, holds an id outside the vocabulary, or it and ``max_tokens`` exceed
-    ``max_seq_len``."""
+    ``max_seq_len`` (that error names ``limit_param``, the field the client sent: ``max_tokens`` or
+    ``max_completion_tokens``)."""
     n, limit = len(prompt_ids), state.max_seq_len
     if n == 0:
         raise APIError(400, f"{prompt_param}: the prompt is empty (0 tokens)", param=prompt_param,
@@ -313,9 +315,9 @@ def _limits(state: ServerState, prompt_ids: list[int], max_tokens: Optional[int]
     if max_tokens is None:
         return limit - n
     if n + max_tokens > limit:
-        raise APIError(400, f"max_tokens: the prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+        raise APIError(400, f"{limit_param}: the prompt ({n} tokens) + {limit_param} ({max_tokens}) = "
                        f"{n + max_tokens} tokens exceeds this server's max_seq_len of {limit} tokens; "
-                       f"max_tokens may be at most {limit - n}", param="max_tokens",
+                       f"{limit_param} may be at most {limit - n}", param=limit_param,
                        code="context_length_exceeded")
     return max_tokens
 
@@ -348,7 +350,7 @@ async def _watch_disconnect(request: Request) -> None:
 
 async def _run(state: ServerState, request: Request, prompts: list[list[int]], body, chat: bool) -> Response:
     max_new = [_limits(state, p, body.limit,
-                       "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt.{i}"))
+                       "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt.{i}"), body.limit_param)
                for i, p in enumerate(prompts)]
     choices, sampling = [], []
     for i, p in enumerate(prompts):

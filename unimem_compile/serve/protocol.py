@@ -218,6 +218,11 @@ class CompletionRequest(_Sampling):
     def limit(self) -> Optional[int]:
         return self.max_tokens
 
+    @property
+    def limit_param(self) -> str:
+        """The request field :attr:`limit` came from (what a 400 about it names)."""
+        return "max_tokens"
+
 
 # what one item of a completion's prompt list is, by its JSON type (bool is no token id)
 _PROMPT_KINDS = {str: "a string", int: "a token id", list: "a token-id list"}
@@ -274,3 +279,7 @@ class ChatCompletionRequest(_Sampling):
     @property
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
