@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import sys
 
 __all__ = ["main"]
@@ -199,6 +200,12 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:  # uvicorn's bind would raise OverflowError with a traceback, exit status 1
         print(f"unimem-compile serve: --port must be in [0, 65535] (0: any free port), got {args.port}",
               file=sys.stderr)
+        return 2
+    try:  # uvicorn's own failure says "[Errno -2] Name or service not known" without the name, after startup
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        print(f"unimem-compile serve: --host {args.host!r} is not an address this machine can listen on "
+              f"({e.strerror or e})", file=sys.stderr)
         return 2
     if not 0 <= args.shutdown_timeout < math.inf:  # a negative or NaN one was taken, cutting every request
         print(f"unimem-compile serve: --shutdown-timeout must be a finite number of seconds >= 0, got "

@@ -94,6 +94,7 @@ def test_serve_refuses_a_missing_folder_before_listening(tmp_path, capsys, monke
     (["--port", "65536"], r"--port must be in \[0, 65535\] \(0: any free port\), got 65536"),
     (["--port", "-1"], r"--port must be in \[0, 65535\] \(0: any free port\), got -1"),
     (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be a finite number of seconds >= 0, got -1"),
+    (["--host", "bad host"], r"--host 'bad host' is not an address this machine can listen on \(.+\)"),
     (["--shutdown-timeout", "nan"], r"--shutdown-timeout must be a finite number of seconds >= 0, got nan"),
 ])
 def test_serve_refuses_a_bad_kv_dtype_or_backend_before_listening(option, message, capsys, monkeypatch):
