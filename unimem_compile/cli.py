@@ -33,6 +33,10 @@ def _config_geometry(path: str):
 
     from .hf.adapters import adapter_for_config
 
+    if not os.path.exists(path):  # AutoConfig would read it as a Hub repo id and say "Repo id must be in the form..."
+        raise FileNotFoundError("no such file or folder (a config.json, or the folder that holds one)")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError("the folder holds no config.json")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = getattr(config, "dtype", None) or torch.bfloat16
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
