@@ -395,6 +395,18 @@ def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios
     assert bench.comparison({"static0.5": clean}) is None
 
 
+def test_serving_queued_concurrency_averages_only_the_samples_with_a_queue():
+    bench = _script("bench_serving")
+    got = bench.queued_concurrency([3, 5, 8, 8, 6, 2], [0, 0, 4, 1, 0, 0])
+    assert got == {"queued_fraction": 2 / 6, "mean_concurrent_while_queued": 8.0}
+    got = bench.queued_concurrency([1, 7, 2], [0, 3, 2])
+    assert got == {"queued_fraction": 2 / 3, "mean_concurrent_while_queued": 4.5}
+    assert bench.queued_concurrency([4, 4], [0, 0]) == {"queued_fraction": 0.0, "mean_concurrent_while_queued": None}
+    assert bench.queued_concurrency([], []) == {"queued_fraction": 0.0, "mean_concurrent_while_queued": None}
+    with pytest.raises(ValueError, match=r"one timeline, got \(3,\) and \(2,\) samples"):
+        bench.queued_concurrency([1, 2, 3], [0, 1])
+
+
 def test_serving_rate_search_returns_only_a_rate_it_measured_bounded():
     """find_rate against a stand-in engine whose queue is bounded below a known capacity: the floor is run
     first and halved while unbounded (2026-12-02's search bisected above an unbounded floor of 4/s and
