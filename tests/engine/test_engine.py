@@ -337,6 +337,34 @@ def test_an_exception_inside_the_with_block_cancels_what_runs(pair):
         lazy.start()
 
 
+def test_a_cancel_is_bound_to_the_request_it_named_not_to_its_id(pair):
+    """A cancel of a finished request (its result taken, so its id is free) or of an id never added is a no-op,
+    now and later: a request added afterwards under that id runs to its end (it used to come back FAILED,
+    "cancelled", with no tokens: the engine applied pending cancels by id after queueing the new request). A
+    queued request cancelled before any step ends cancelled with nothing generated; a non-str id is a
+    TypeError and cannot jam the engine (two of them in one step made every later step raise)."""
+    stock, model = pair
+    p, q = prompts([6, 9], seed=31, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching()
+    manager.add_request(p, request_id="chat-1", max_new_tokens=3)
+    drain(manager)
+    manager.cancel_request("chat-1")  # finished and taken
+    manager.cancel_request("fresh")  # never added
+    manager.add_request(p, request_id="chat-1", max_new_tokens=3)
+    manager.add_request(q, request_id="fresh", max_new_tokens=3)
+    doomed = manager.add_request(q, max_new_tokens=3)
+    manager.cancel_request(doomed)  # queued, not stepped yet
+    for bad in (None, 123):
+        with pytest.raises(TypeError, match=rf"request_id must be a str .*got {type(bad).__name__} {bad!r}"):
+            manager.cancel_request(bad)
+    results = drain(manager)
+    assert results["chat-1"].error is None and results["chat-1"].generated_tokens == reference(stock, p, 3)
+    assert results["fresh"].error is None and results["fresh"].generated_tokens == reference(stock, q, 3)
+    assert results[doomed].error == "cancelled" and results[doomed].generated_tokens == []
+    assert manager.engine.counters["cancelled"] == 1 and not manager.engine.has_work
+    assert_idle(model, manager)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_and_the_others_go_on(pair):
     stock, model = pair
@@ -391,6 +419,9 @@ def test_bad_requests_raise_and_the_others_go_on(pair):
         full.add_request(p, max_new_tokens=2)
     with pytest.raises(QueueFull):
         full.add_requests([p], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^add_requests: prompt 1 of 3: input_ids is empty"):  # which one
+        small.add_requests([p, [], p], max_new_tokens=2)
+    assert small.metrics()["waiting"] == 0  # nothing queued
     assert full.metrics()["waiting"] == 1
     full.stop(hard_stop=True)  # the queued request is cancelled, not run
     (only,) = drain(full).values()

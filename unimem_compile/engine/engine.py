@@ -165,7 +165,7 @@ class Engine:
                              prefill_tokens=0, prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0,
                              refusals=0, refused_with_room=0, row_waits=0, finished=0, failed=0, cancelled=0,
                              peak_rows=0)
-        self._cancel: set[str] = set()
+        self._cancel: list[EngineRequest] = []  # bound to the request objects, not their ids (ids are reused)
         self._requests: dict[str, EngineRequest] = {}
         self._saved = None  # this engine's rows of the runner's state while someone else used it
 
@@ -175,9 +175,16 @@ class Engine:
         self._requests[request.rid] = request
         self.scheduler.enqueue(request)
 
-    def cancel(self, rid: str) -> None:
-        """Cancel ``rid`` at the next step boundary (unknown or finished ids: nothing happens)."""
-        self._cancel.add(rid)
+    def cancel(self, request: EngineRequest | str) -> None:
+        """Cancel a request at the next step boundary: an :class:`EngineRequest` this engine was given, or the
+        id of one it holds now (an unknown or finished one: nothing happens). The cancel is bound to that
+        request: one that takes the same id later is not touched (a stale cancel used to fail it)."""
+        if isinstance(request, str):
+            request = self._requests.get(request)
+            if request is None:
+                return
+        if not request.finished:
+            self._cancel.append(request)
 
     @property
     def has_work(self) -> bool:
@@ -284,14 +291,13 @@ class Engine:
         self.rows.pop()
 
     def _take_cancellations(self) -> list[EngineRequest]:
+        pending, self._cancel = self._cancel, []  # taken first: a failure below cannot leave them to jam every step
         out = []
-        for rid in sorted(self._cancel):
-            req = self._requests.get(rid)
-            if req is not None and not req.finished:
+        for req in pending:  # in the order cancelled; a request cancelled twice ends once
+            if self._requests.get(req.rid) is req and not req.finished:
                 req.cancelled = True
                 self._end(req, error="cancelled")
                 out.append(req)
-        self._cancel.clear()
         return out
 
     def _preempted(self, victims) -> None:

@@ -114,7 +114,8 @@ class ContinuousBatchingManager:
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self._lock = threading.Lock()
         self._inbox: list[EngineRequest] = []
-        self._cancels: list[str] = []
+        self._cancels: list[EngineRequest] = []
+        self._live: dict[str, EngineRequest] = {}  # request id -> its request, from add until its final result
         self._outbox: collections.deque = collections.deque()
         self._results = threading.Condition()
         self._known: dict[str, bool] = {}  # request id -> streaming, until its final result is taken
@@ -239,6 +240,7 @@ class ContinuousBatchingManager:
             self._known[req.rid] = bool(streaming)
             self._streaming[req.rid] = bool(streaming)
             self._timestamps[req.rid] = bool(record_timestamps)
+            self._live[req.rid] = req
             self._inbox.append(req)
         self._wake.set()
         return req.rid
@@ -249,8 +251,18 @@ class ContinuousBatchingManager:
         """:meth:`add_request` for each prompt of ``inputs`` (ids ``req_<n>``, in order), every one with the same
         ``max_new_tokens``, ``eos_token_id`` and settings (``seed`` and ``stop_sequences`` included); returns the
         ids. All prompts are validated before any is queued; the errors are :meth:`add_request`'s."""
-        built = [self._build(ids, None, max_new_tokens, bool(streaming), eos_token_id, kwargs, "add_requests")
-                 for ids in _prompt_list(inputs, "add_requests")]
+        built = []
+        prompts = _prompt_list(inputs, "add_requests")
+        for i, ids in enumerate(prompts):
+            try:
+                built.append(self._build(ids, None, max_new_tokens, bool(streaming), eos_token_id, kwargs,
+                                         "add_requests"))
+            except Exception as e:  # say which prompt; nothing was queued
+                where = f"add_requests: prompt {i} of {len(prompts)}"
+                if type(e) in (ValueError, GeometryError):  # message-only constructors
+                    raise type(e)(f"{where}: {e}") from e
+                e.add_note(where)
+                raise
         with self._lock:
             if self._stopping or self._stopped:
                 raise RuntimeError("add_requests after stop(): the manager accepts no new requests")
@@ -261,6 +273,7 @@ class ContinuousBatchingManager:
                 self._known[req.rid] = bool(streaming)
                 self._streaming[req.rid] = bool(streaming)
                 self._timestamps[req.rid] = bool(record_timestamps)
+                self._live[req.rid] = req
             self._inbox.extend(built)
         self._wake.set()
         return [r.rid for r in built]
@@ -274,9 +287,19 @@ class ContinuousBatchingManager:
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request: its memory is freed at the next step boundary and its result (status FAILED,
-        ``error="cancelled"``, the tokens generated until then) is delivered. Unknown or finished ids: no-op."""
+        ``error="cancelled"``, the tokens generated until then) is delivered. Unknown or finished ids: no-op,
+        now and later (a request added afterwards under the same id is not cancelled).
+
+        Raises:
+            TypeError: ``request_id`` is not a str (no request has such an id)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"cancel_request: request_id must be a str (an id add_request returned), got "
+                            f"{type(request_id).__name__} {request_id!r}")
         with self._lock:
-            self._cancels.append(request_id)
+            req = self._live.get(request_id)
+            if req is None:
+                return
+            self._cancels.append(req)
         self._wake.set()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
@@ -365,11 +388,11 @@ class ContinuousBatchingManager:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
             if self._hard_stop:
-                cancels += list(self.engine._requests) + [r.rid for r in inbox]
+                cancels += list(self.engine._requests.values()) + inbox
         for req in inbox:
             self.engine.add(req)
-        for rid in cancels:
-            self.engine.cancel(rid)
+        for req in cancels:
+            self.engine.cancel(req)
         if not self.engine.has_work:
             return False
         try:
@@ -402,6 +425,10 @@ class ContinuousBatchingManager:
             outs.append(self._output(req))
         if not outs:
             return
+        with self._lock:  # a final result frees its id: a cancel of it from now on is a no-op
+            for out in outs:
+                if out.is_finished():
+                    self._live.pop(out.request_id, None)
         with self._results:
             for out in outs:
                 if out.is_finished():
