@@ -47,7 +47,9 @@ source benchmarks/device_env.sh
 # path: add them, the engine prefills through the same chunked KDA kernels as generate())
 # (sixteenth session: the match is by whole step name, so bench_serving_rate / _probe / _stationary / _phased /
 # _stock ran without it through the fifteenth session: every prefill took the pure-torch KDA path, ~5x slower)
-FLA_STEPS=${FLA_STEPS:-"bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased bench_serving_stock"}
+FLA_DEFAULT="bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving"
+FLA_DEFAULT+=" bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased"
+FLA_STEPS=${FLA_STEPS:-"$FLA_DEFAULT bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
   others=$(ls .whl/*.whl | grep -v '/fla_core-')
@@ -89,7 +91,8 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 # systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
 # SERVE_BUDGET_GIB / SERVE_MAX_BATCH change the arena and the decode rows (2026-12-02, sixteenth session: with fla
 # the 32-row cap, not the 0.75 GiB arena, bound unified admission at 17.25/s; a run with more rows is the next step)
-SERVE_REDUCED="--scale 0.05 --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32} --drain-timeout-s 30"
+SERVE_REDUCED="--scale 0.05 --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32}"
+SERVE_REDUCED+=" --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
 # 2026-12-02 at 4/s every system served ~2.9 requests/s (overloaded): the search starts at 3/s
 SERVE_FIND=${SERVE_FIND:-"--find-rate --rate-lo 3 --rate-hi 6 --rate-iters 4"}

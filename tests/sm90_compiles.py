@@ -6,9 +6,10 @@ runs every registered script, dealt out over ``os.cpu_count()`` children (each r
 other), without ``TRITON_INTERPRET`` (the test session sets it, and under it the kernels are interpreter
 functions) and with a fresh Triton cache (a real compile, not a cache hit). The compiles are single-threaded
 and the test process only waits for them, so on CI's 2 cores two children cut the wait (2026-12-02, this
-2-core machine: 175 s for the four scripts in one child, 107 s in two); one child per core, not per script, keeps the interpreter starts with their
-torch / Triton / unimem_compile imports (about 3 s of CPU each) to one per core. Every script runs exactly
-as it would alone, in its own namespace, and its stdout and any exception come back to its own tests."""
+2-core machine: 175 s for the four scripts in one child, 107 s in two); one child per core, not per script,
+keeps the interpreter starts with their torch / Triton / unimem_compile imports (about 3 s of CPU each) to
+one per core. Every script runs exactly as it would alone, in its own namespace, and its stdout and any
+exception come back to its own tests."""
 
 from __future__ import annotations
 

@@ -164,7 +164,8 @@ def test_pool_info_refuses_a_missing_or_unsupported_config_with_exit_status_2(tm
     assert capsys.readouterr().err == (f"unimem-compile pool-info: --config {tmp_path / 'nothing'}: no such file or "
                                        f"folder (a config.json, or the folder that holds one)\n")
     assert main(["pool-info", "--config", str(tmp_path)]) == 2  # an empty folder
-    assert capsys.readouterr().err == f"unimem-compile pool-info: --config {tmp_path}: the folder holds no config.json\n"
+    assert capsys.readouterr().err == (f"unimem-compile pool-info: --config {tmp_path}: the folder holds no "
+                                       f"config.json\n")
     LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path)
     assert main(["pool-info", "--config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
