@@ -89,9 +89,10 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 # not 6 GiB (with 5% of the requests 6 GiB never fills: 14% peak occupancy on 2026-12-01); 32 decode rows; a system
 # that has not served its trace 30 s after the last arrival is stopped (what it served is recorded); the engine
 # systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
-# SERVE_BUDGET_GIB / SERVE_MAX_BATCH change the arena and the decode rows (2026-12-02, sixteenth session: with fla
-# the 32-row cap, not the 0.75 GiB arena, bound unified admission at 17.25/s; a run with more rows is the next step)
-SERVE_REDUCED="--scale 0.05 --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32}"
+# SERVE_BUDGET_GIB / SERVE_MAX_BATCH / SERVE_SCALE change the arena, the decode rows and the share of the traces
+# (2026-12-02, sixteenth session: with fla the 32-row cap, not the 0.75 GiB arena, bound unified admission at
+# 17.25/s; a run with more rows is the next step)
+SERVE_REDUCED="--scale ${SERVE_SCALE:-0.05} --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32}"
 SERVE_REDUCED+=" --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
 # 2026-12-02 at 4/s every system served ~2.9 requests/s (overloaded): the search starts at 3/s
