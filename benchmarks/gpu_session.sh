@@ -91,7 +91,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 # systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
 # SERVE_BUDGET_GIB / SERVE_MAX_BATCH / SERVE_SCALE change the arena, the decode rows and the share of the traces
 # (2026-12-02, sixteenth session: with fla the 32-row cap, not the 0.75 GiB arena, bound unified admission at
-# 17.25/s; a run with more rows is the next step)
+# 17.25/s; the seventeenth session ran SERVE_MAX_BATCH=64: memory bound then, RESULTS.md has it)
 SERVE_REDUCED="--scale ${SERVE_SCALE:-0.05} --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32}"
 SERVE_REDUCED+=" --drain-timeout-s 30"
 SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
