@@ -11,7 +11,12 @@ medians (L2 flushed between reps), eagerly and replayed from a CUDA graph (no la
 fla column: ``fused_recurrent_kda_fwd`` with ``ssm_state_indices`` updating a contiguous [512, H, K, V] pool
 in place (its public ``fused_recurrent_kda`` has no slot argument), skipped when ``fla`` does not import.
 
-usage: python benchmarks/bench_kda.py --out results.json [--batches 64 256] [--sweep]
+``--prefill``: instead, one row's chunked KDA prefill (``kda.chunk_kda_cuda``, fla) of T tokens from a random
+state, eagerly (``UNIMEM_KDA_GRAPHS=0``) and replayed from ops/kda_graphs' graph of T's bucket: host time of a
+call (``perf_counter`` until it returns, the device idle before it), wall time of a call (synchronised), and the
+kernels' time alone (fla replayed from a CUDA graph by do_bench_cudagraph); medians of 30 calls.
+
+usage: python benchmarks/bench_kda.py --out results.json [--batches 64 256] [--sweep] [--prefill]
 (on the GPU machine: ``source benchmarks/device_env.sh`` first; keep TRITON_INTERPRET unset or 0)
 """
 
@@ -95,14 +100,74 @@ def fla_decode():
     return fused_recurrent_kda_fwd
 
 
+PREFILL_TOKENS = (64, 256, 1000, 1024, 4096)
+
+
+def prefill_rows(device, gen) -> list[dict]:
+    """``--prefill`` (module docstring): one dict per (T, path)."""
+    import os
+    import statistics
+    import time
+
+    from unimem_compile.ops.kda_graphs import GRAPHS
+
+    chunk = kda.fla_chunk_kda()
+    if chunk is None:
+        raise SystemExit("bench_kda --prefill: flash-linear-attention does not import here")
+    rows = []
+    for t in PREFILL_TOKENS:
+        q = torch.randn(1, t, H, K, device=device, generator=gen).bfloat16()
+        k = torch.randn(1, t, H, K, device=device, generator=gen).bfloat16()
+        v = torch.randn(1, t, H, V, device=device, generator=gen).bfloat16()
+        g = -torch.rand(1, t, H, K, device=device, generator=gen) * 1.5 - 0.01
+        beta = torch.rand(1, t, H, device=device, generator=gen).bfloat16()
+        state = torch.randn(1, H, K, V, device=device, generator=gen) * 0.5
+
+        def call():
+            return kda.chunk_kda_cuda(q, k, v, g, beta, state, K ** -0.5, True, op="bench_kda")
+
+        kernel_us = 1e3 * do_bench_cudagraph(lambda: chunk(q, k, v, g, beta, scale=K ** -0.5, initial_state=state,
+                                                           output_final_state=True, use_qk_l2norm_in_kernel=True),
+                                             return_mode="median")
+        for path, flag in (("eager", "0"), ("graph", "1")):
+            os.environ["UNIMEM_KDA_GRAPHS"] = flag
+            for _ in range(3):  # autotune / capture
+                call()
+            host, wall = [], []
+            for _ in range(30):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                host.append((t1 - t0) * 1e6)
+                wall.append((time.perf_counter() - t0) * 1e6)
+            rows.append({"tokens": t, "path": path, "host_us": statistics.median(host),
+                         "wall_us": statistics.median(wall), "kernel_us": kernel_us})
+        os.environ.pop("UNIMEM_KDA_GRAPHS", None)
+    print(f"{'tokens':>6s} {'path':6s} {'host us':>9s} {'wall us':>9s} {'kernels us':>10s}")
+    for r in rows:
+        print(f"{r['tokens']:6d} {r['path']:6s} {r['host_us']:9.1f} {r['wall_us']:9.1f} {r['kernel_us']:10.1f}")
+    print(f"graphs: {len(GRAPHS)} captured, static buffers {GRAPHS.nbytes() / 2**20:.1f} MiB")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--sweep", action="store_true", help="also time kda_decode_triton over block_v x num_warps")
+    ap.add_argument("--prefill", action="store_true", help="time the chunked prefill, eager fla vs its graphs")
     args = ap.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
+    if args.prefill:
+        rows = prefill_rows(device, gen)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "python": platform.python_version(), "geometry": {"heads": H, "k": K, "v": V},
+                       "prefill": rows}, f, indent=2)
+        return
 
     ceiling = copy_bandwidth(device)
     pool, spec, ids = make_pool(device, gen)

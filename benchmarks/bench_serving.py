@@ -581,18 +581,23 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
     * ``engine_sync``: the engine stepped on this thread (``manager.step()`` until idle), one request of
       ``max_new_tokens=1``;
     * ``engine_thread``: the same request through a started manager (its background loop), the caller
-      blocked in ``get_result``, as the trace runs do.
+      blocked in ``get_result``, as the trace runs do;
+    * ``engine_sync_nographs``: ``engine_sync`` with ``UNIMEM_KDA_GRAPHS=0`` (fla's ``chunk_kda`` eager, not
+      replayed from ops/kda_graphs' graphs).
 
     Each length (:data:`PROBE_LENGTHS`) runs once untimed per way (compiles, autotuning), then ``repeats``
     times; the record keeps the median wall (ms) and, for the engine, the engine's own ``prefill_s`` per
     forward. The engine's way at :data:`PROBE_PROFILED` runs once more under ``torch.profiler``
     (``bench_mla_prefill.kernel_breakdown``: kernel time, busy fraction, the host's launches, blocking calls
     and untraced Python). Returns ``{"lengths": [{"tokens", "generate_ms", "engine_sync_ms",
-    "engine_thread_ms", "engine_forwards", "engine_prefill_ms_per_forward", "profile"?}], "chunk": int}``."""
+    "engine_thread_ms", "engine_sync_nographs_ms", "engine_forwards", "engine_prefill_ms_per_forward", "profile"?}],
+    "chunk": int}``."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:  # python -P leaves the script's folder off the path
         sys.path.insert(0, here)
     from bench_mla_prefill import _sync, kernel_breakdown
+
+    from unimem_compile import env
 
     device = model.unimem.pool.device
     scale = 1 / 32 if args.smoke else 1
@@ -641,6 +646,11 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
             forwards, seconds = c["prefill_chunks"] - before[0], c["prefill_s"] - before[1]
             row["engine_forwards"] = forwards / (repeats + 1)
             row["engine_prefill_ms_per_forward"] = 1e3 * seconds / max(1, forwards)
+            os.environ[env.KDA_GRAPHS] = "0"  # the same, fla's chunk_kda eager (ops/kda_graphs off)
+            try:
+                row["engine_sync_nographs_ms"] = timed(by_engine)
+            finally:
+                os.environ.pop(env.KDA_GRAPHS, None)
             if n in PROBE_PROFILED or (args.smoke and n == lengths[0]):
                 row["profile"] = kernel_breakdown(by_engine, device)
             manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)
@@ -667,7 +677,8 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
                               + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in host["top"][:8]))
             print(f"prefill probe {n:6d} tokens: generate {row['generate_ms']:.1f} ms, engine (this thread) "
                   f"{row['engine_sync_ms']:.1f} ms ({row['engine_forwards']:g} forwards, "
-                  f"{row['engine_prefill_ms_per_forward']:.1f} ms each), engine (started manager) "
+                  f"{row['engine_prefill_ms_per_forward']:.1f} ms each; {row['engine_sync_nographs_ms']:.1f} ms with "
+                  f"UNIMEM_KDA_GRAPHS=0), engine (started manager) "
                   f"{row['engine_thread_ms']:.1f} ms{extra}", flush=True)
     return {"chunk": args.max_prefill_tokens, "repeats": repeats, "lengths": rows}
 

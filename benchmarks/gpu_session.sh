@@ -6,7 +6,8 @@
 #   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's;
 #    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512")
-#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda
+#          kda_graphs_gpu bench_kda_prefill (ops/kda_graphs: the GPU test, eager fla vs its graphs) bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
@@ -49,6 +50,8 @@ source benchmarks/device_env.sh
 # _stock ran without it through the fifteenth session: every prefill took the pure-torch KDA path, ~5x slower)
 FLA_DEFAULT="bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving"
 FLA_DEFAULT+=" bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased"
+# (eighteenth session: the chunk_kda graphs of ops/kda_graphs, their GPU test against eager fla and their timing)
+FLA_DEFAULT+=" kda_graphs_gpu bench_kda_prefill"
 FLA_STEPS=${FLA_STEPS:-"$FLA_DEFAULT bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
@@ -127,6 +130,9 @@ for s in "$@"; do
                         tests/gpu/test_runner_gpu.py ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
+    kda_graphs_gpu) run_step kda_graphs_gpu 240 $PYTEST tests/gpu/test_state_gpu.py ;;
+    bench_kda_prefill) run_step bench_kda_prefill 150 python3 -P benchmarks/bench_kda.py --prefill \
+                         --out "$OUT/json/kda_prefill.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
     sweep_mla_decode_small) run_step sweep_mla_decode_small 300 python3 -P benchmarks/sweep_mla_decode.py --small-batch \
                               --budget-s "${SWEEP_BUDGET:-260}" --out "$OUT/json/mla_decode_small_sweep.json" ;;

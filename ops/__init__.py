@@ -10,7 +10,8 @@ latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (pag
 ``mla_prefill`` (paged prefill attention, reached as ``unimem_compile.ops.mla_prefill``: its names are not
 re-exported here),
 ``state`` (slot gather/scatter), ``conv`` (short-conv update in place), ``kda`` (Kimi Delta Attention
-decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter).
+decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter), ``kda_graphs``
+(CUDA graphs of fla's ``chunk_kda`` per chunk-length bucket, which both KDA prefill paths replay).
 """
 
 from . import conv, fp8, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, translate

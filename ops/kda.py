@@ -18,7 +18,8 @@ and write nothing.
 
 ``kda_decode`` is one token per lane (our Triton kernel on CUDA). ``kda_prefill`` runs T tokens per lane:
 the chunked form below in pure torch, or flash-linear-attention's ``chunk_kda`` on CUDA when the ``fla``
-package imports.
+package imports (:func:`chunk_kda_cuda`, replayed from a CUDA graph per chunk-length bucket where
+:mod:`unimem_compile.ops.kda_graphs` allows it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "kda_prefill",
     "kda_decode_triton",
     "kda_prefill_cuda",
+    "chunk_kda_cuda",
     "kda_recurrent",
     "kda_chunked",
     "fla_chunk_kda",
@@ -304,34 +306,55 @@ def warn_reference_on_cuda(op: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-def kda_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, state_offset: int,
-                     slot_bytes: int, scale: float, use_qk_l2norm: bool, *, use_fla: bool | None = None) -> torch.Tensor:
-    """Launcher of :func:`kda_prefill` for CUDA (also runs CPU tensors under ``TRITON_INTERPRET=1``).
+def chunk_kda_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, scale: float, use_qk_l2norm: bool, *, op: str,
+                   use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA of ``T`` tokens from ``state`` on CUDA tensors (CPU ones under the interpreter): the math of
+    :func:`kda_chunked` through flash-linear-attention's ``chunk_kda`` (``use_fla=None``: when it imports and
+    the tensors are on CUDA), replayed from a captured graph per chunk-length bucket where
+    :mod:`unimem_compile.ops.kda_graphs` allows it, else eagerly; or :func:`kda_chunked` itself.
 
-    Gathers the lanes' states with the Triton gather kernel, runs flash-linear-attention's ``chunk_kda``
-    (``use_fla=None``: when it imports and the tensors are on CUDA) or :func:`kda_chunked`, and scatters the
-    final states back with the Triton scatter kernel (masked lanes write nothing).
-    """
-    op = "kda_prefill"
-    _, h, dk, dv = _check_common(op, q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, lead=2)
-    state = state_gather_triton(arena, s_v2p, slot_ids, state_offset, slot_bytes, [h, dk, dv], torch.float32)
+    Args: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state fp32 ``[B, H, K, V]`` (not
+    modified); ``op`` names the caller in messages. Returns ``(o [B, T, H, V] in q's dtype, final fp32
+    [B, H, K, V])``, fresh contiguous tensors.
+
+    Raises: RuntimeError when ``use_fla=True`` and fla does not import."""
     chunk = fla_chunk_kda() if q.is_cuda else None
     if use_fla is None:
         use_fla = chunk is not None
     elif use_fla and chunk is None:
         raise RuntimeError(f"{op}: use_fla=True but flash-linear-attention's chunk_kda is not importable here")
     if use_fla and q.shape[1] > 0:
-        o, final = chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-                         scale=float(scale), initial_state=state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm))
-        o, final = o.to(q.dtype), final.float()
+        from .kda_graphs import GRAPHS
+
+        out = GRAPHS(chunk, q, k, v, g, beta, state, scale, use_qk_l2norm)
+        if out is None:
+            out = chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                        scale=float(scale), initial_state=state.contiguous(), output_final_state=True,
+                        use_qk_l2norm_in_kernel=bool(use_qk_l2norm))
+        o, final = out
     else:
         if q.is_cuda and chunk is None and q.shape[1] > 0:
             warn_reference_on_cuda(op)
         o, final = kda_chunked(q, k, v, g, beta, state, scale, use_qk_l2norm)
-    state_scatter_triton(arena, s_v2p, slot_ids, final.contiguous(), state_offset, slot_bytes)
-    return o.contiguous()
+    return o.to(q.dtype).contiguous(), final.float().contiguous()
+
+
+def kda_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, state_offset: int,
+                     slot_bytes: int, scale: float, use_qk_l2norm: bool, *, use_fla: bool | None = None) -> torch.Tensor:
+    """Launcher of :func:`kda_prefill` for CUDA (also runs CPU tensors under ``TRITON_INTERPRET=1``).
+
+    Gathers the lanes' states with the Triton gather kernel, runs :func:`chunk_kda_cuda` (fla where it
+    imports, ``use_fla`` as there), and scatters the final states back with the Triton scatter kernel (masked
+    lanes write nothing).
+    """
+    op = "kda_prefill"
+    _, h, dk, dv = _check_common(op, q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, lead=2)
+    state = state_gather_triton(arena, s_v2p, slot_ids, state_offset, slot_bytes, [h, dk, dv], torch.float32)
+    o, final = chunk_kda_cuda(q, k, v, g, beta, state, scale, use_qk_l2norm, op=op, use_fla=use_fla)
+    state_scatter_triton(arena, s_v2p, slot_ids, final, state_offset, slot_bytes)
+    return o
 
 
 # ---------------------------------------------------------------------------- declarations

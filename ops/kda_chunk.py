@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
-from .kda import fla_chunk_kda, kda_chunked, warn_reference_on_cuda
+from .kda import chunk_kda_cuda, kda_chunked
 
 __all__ = ["kda_chunk"]
 
@@ -44,8 +44,9 @@ def kda_chunk(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state fp32 [B, H, K, V])``, fresh tensors.
 
-    Math: :func:`unimem_compile.ops.kda.kda_chunked` (pure torch); on CUDA flash-linear-attention's
-    ``chunk_kda`` where the optional ``fla`` package imports.
+    Math: :func:`unimem_compile.ops.kda.kda_chunked` (pure torch); on CUDA
+    :func:`unimem_compile.ops.kda.chunk_kda_cuda` (flash-linear-attention's ``chunk_kda`` where the optional
+    ``fla`` package imports, replayed from a captured graph per chunk-length bucket, :mod:`.kda_graphs`).
     """
     _check(q, k, v, g, beta, initial_state)
     o, final = kda_chunked(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
@@ -55,16 +56,7 @@ def kda_chunk(
 @kda_chunk.register_kernel("cuda")
 def _(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     _check(q, k, v, g, beta, initial_state)
-    chunk = fla_chunk_kda()
-    if chunk is None or q.shape[1] == 0:
-        if chunk is None and q.shape[1] > 0:
-            warn_reference_on_cuda("kda_chunk")
-        o, final = kda_chunked(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
-    else:
-        o, final = chunk(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-                         scale=float(scale), initial_state=initial_state.contiguous(), output_final_state=True,
-                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm))
-    return o.to(q.dtype).contiguous(), final.float().contiguous()
+    return chunk_kda_cuda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, op="kda_chunk")
 
 
 @kda_chunk.register_fake

@@ -153,6 +153,39 @@ def test_prefill_then_decode_matches_the_recurrence(pool, use_fla):
     torch.testing.assert_close(got_s[live], want_s[live], **tol_s)
 
 
+def test_graphed_fla_chunk_matches_eager_fla_for_calls_of_any_length(monkeypatch):
+    """ops/kda_graphs: every call (long then short, so stale buffer tails must be zeroed; two batch sizes)
+    against fla run eagerly on the same inputs; a graph pads with a zero tail, which fla's masked last chunk
+    reads as zeros too, so the two agree to fla's own run-to-run rounding."""
+    from unimem_compile.ops.kda_graphs import ChunkKDAGraphs
+
+    chunk = kda.fla_chunk_kda()
+    if chunk is None:
+        pytest.skip("flash-linear-attention is not installed")
+    graphs = ChunkKDAGraphs()
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    calls = [(1, 1000), (1, 300), (1, 1024), (1, 37), (2, 1000), (1, 1000), (2, 64), (1, 4096)]
+    worst_o = worst_s = 0.0
+    for b, t in calls:
+        q, k, v, g, beta = _inputs(b, t, gen)
+        state = torch.randn(b, H, D, D, device=DEV, generator=gen) * 0.5
+        before = state.clone()
+        o, final = graphs(chunk, q, k, v, g, beta, state, SCALE, True)
+        want_o, want_s = chunk(q, k, v, g, beta, scale=SCALE, initial_state=state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+        assert o.shape == want_o.shape and final.shape == want_s.shape
+        worst_o = max(worst_o, (o.float() - want_o.float()).abs().max().item())
+        worst_s = max(worst_s, (final.float() - want_s.float()).abs().max().item())
+        assert torch.equal(state, before)
+    # a state misplaced or a stale tail read would be off by O(1); bf16 outputs round at ~1e-2
+    assert worst_o <= 2e-2 and worst_s <= 1e-3, (worst_o, worst_s)
+    # one graph per (rows, bucket): (1, 1024) (1, 512) (1, 64) (2, 1024) (2, 64) (1, 4096)
+    assert graphs.captures == len(graphs) == 6 and graphs.replays == len(calls)
+    monkeypatch.setenv("UNIMEM_KDA_GRAPHS", "0")
+    assert graphs(chunk, q, k, v, g, beta, state, SCALE, True) is None  # switched off: the caller runs fla
+    graphs.clear()
+
+
 def test_decode_and_conv_compile_with_inductor(pool):
     gen = torch.Generator(device=DEV).manual_seed(4)
     spec, lanes = pool.test_spec, _lanes(pool, 8)
