@@ -131,7 +131,7 @@ for s in "$@"; do
                         tests/gpu/test_runner_gpu.py ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
-    kda_graphs_gpu) run_step kda_graphs_gpu 240 $PYTEST tests/gpu/test_state_gpu.py ;;
+    kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py tests/gpu/test_kda_graphs_model_gpu.py ;;
     bench_kda_prefill) run_step bench_kda_prefill 150 python3 -P benchmarks/bench_kda.py --prefill \
                          --out "$OUT/json/kda_prefill.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;
