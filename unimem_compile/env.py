@@ -13,9 +13,11 @@ project, so the pool, the ops and the passes can all use it.
 | ``UNIMEM_TP_TIMEOUT`` | seconds (a positive number) | ``300`` | how long a tensor-parallel rank waits for the others at a host-side check (``compile(tensor_parallel=True)``, each ``generate()`` call) before it raises ``RankMismatch``; another value makes those raise ValueError |
 | ``TRITON_INTERPRET`` | ``1``, or anything else | unset | read by Triton when a kernel is defined (set it before importing ``unimem_compile``); ``1`` also lets the Triton launchers take CPU tensors |
 
-The shell scripts read two more, which the package never does: ``UNIMEM_VENV`` (``scripts/*.sh``: the
-virtual environment to create or use, default ``.venv``) and ``UNIMEM_SHIM`` (``benchmarks/device_env.sh``:
-where it assembles the importable shim of the checkout, default ``/tmp/unimem_shim``).
+The shell scripts read three more, which the package never does: ``UNIMEM_VENV`` (``scripts/*.sh``: the
+virtual environment to create or use, default ``.venv``), ``UNIMEM_TEST_WORKERS`` (``scripts/test.sh``: pytest-xdist
+workers of the whole suite, default 2; 1 runs it in one process) and ``UNIMEM_SHIM``
+(``benchmarks/device_env.sh``: where it assembles the importable shim of the checkout, default
+``/tmp/unimem_shim``).
 """
 
 from __future__ import annotations
