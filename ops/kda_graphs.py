@@ -29,6 +29,7 @@ device, fla's workspace of the largest capture. :meth:`ChunkKDAGraphs.nbytes` re
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +39,8 @@ import torch
 from unimem_compile import env
 
 __all__ = ["BUCKETS", "MAX_GRAPH_TOKENS", "ChunkKDAGraphs", "GRAPHS", "bucket_for"]
+
+logger = logging.getLogger(__name__)
 
 #: chunk lengths (tokens) a graph is captured for: multiples of fla's 64-token chunk, so the padding adds whole
 #: chunks only; a call of T tokens runs the smallest bucket >= T
@@ -79,6 +82,7 @@ class ChunkKDAGraphs:
     def __init__(self, *, capture: bool = True):
         self.capture = capture
         self._entries: dict[tuple, _Entry] = {}
+        self._failed: dict[tuple, str] = {}  # keys whose capture raised -> the error (they run eagerly)
         self._pools: dict[int, object] = {}
         self._lock = threading.Lock()
         self.captures = 0
@@ -101,7 +105,8 @@ class ChunkKDAGraphs:
         ``chunk`` returns, or None when the call is not eligible (the caller runs ``chunk`` itself).
 
         Shapes as fla's: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, state fp32
-        ``[B, H, K, V]`` (not modified)."""
+        ``[B, H, K, V]`` (not modified). A capture that raises (e.g. out of device memory) is logged once and
+        its key runs eagerly from then on (None); the error of a replay propagates."""
         tb = self.eligible(q, k, v, g, beta, state)
         if tb is None:
             return None
@@ -109,9 +114,17 @@ class ChunkKDAGraphs:
         key = (q.device.type, q.device.index, q.shape[0], tb, tuple(q.shape[2:]), tuple(v.shape[2:]),
                tuple(x.dtype for x in (q, k, v, g, beta, state)), float(scale), bool(use_qk_l2norm), chunk)
         with self._lock:
+            if key in self._failed:
+                return None
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._build(chunk, (q, k, v, g, beta), state, tb, float(scale), bool(use_qk_l2norm))
+                try:
+                    entry = self._build(chunk, (q, k, v, g, beta), state, tb, float(scale), bool(use_qk_l2norm))
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape runs eagerly from now on
+                    self._failed[key] = f"{type(e).__name__}: {e}"
+                    logger.warning("kda_graphs: capturing chunk_kda for %d rows x %d tokens failed (%s); those calls "
+                                   "run fla eagerly", q.shape[0], tb, self._failed[key])
+                    return None
                 self._entries[key] = entry
             for buf, x in zip(entry.inputs, (q, k, v, g, beta)):
                 buf[:, :t].copy_(x)
@@ -139,6 +152,7 @@ class ChunkKDAGraphs:
         """Drop every graph and its buffers (the next eligible call captures again)."""
         with self._lock:
             self._entries.clear()
+            self._failed.clear()
             self._pools.clear()
 
     def __len__(self) -> int:
@@ -157,18 +171,19 @@ class ChunkKDAGraphs:
         if not self.capture:
             return _Entry(None, inputs, st, (), run)
         dev = xs[0].device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # autotuning and fla's lazy set-up happen here, not in the capture
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = self._pools.get(dev.index)
-        if pool is None:
-            pool = self._pools[dev.index] = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            o, final = run()
+        with torch.cuda.device(dev):  # the capture records on the current device: make it the inputs'
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # autotuning and fla's lazy set-up happen here, not in the capture
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            pool = self._pools.get(dev.index)
+            if pool is None:
+                pool = self._pools[dev.index] = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                o, final = run()
         self.captures += 1
         return _Entry(graph, inputs, st, (o, final), run)
 

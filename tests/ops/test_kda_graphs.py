@@ -95,3 +95,20 @@ def test_calls_that_take_the_eager_path():
         assert graphs.eligible(q, k, v, g, beta, state) == 64
     assert GRAPHS.eligible(q.detach(), k) is None  # the process's graphs capture: CPU tensors run eagerly
     assert len(graphs) == 0
+
+
+def test_a_capture_that_raises_leaves_its_shape_eager_and_is_not_retried(monkeypatch, caplog):
+    graphs = ChunkKDAGraphs(capture=False)
+    tries = []
+
+    def failing_build(*args):
+        tries.append(args[3])  # the bucket
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(graphs, "_build", failing_build)
+    gen = torch.Generator().manual_seed(6)
+    with caplog.at_level("WARNING", logger="unimem_compile.ops.kda_graphs"):
+        assert graphs(_fla_like, *_inputs(1, 40, gen), SCALE, True) is None
+        assert graphs(_fla_like, *_inputs(1, 50, gen), SCALE, True) is None  # same key: not captured again
+    assert tries == [64] and len(graphs) == 0 and graphs.replays == 0
+    assert "1 rows x 64 tokens failed" in caplog.text and "simulated" in caplog.text
