@@ -393,7 +393,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(system: str, name: str, device: torch.device, dtype: torch.dtype, max_seq_len: int, backend: str):
+def _build(system: str, name: str, device: torch.device, dtype: torch.dtype, max_seq_len: int, backend: str,
+           batch: int = 1):
     import unimem_compile
     from unimem_compile.hf.models import build_model
     from unimem_compile.passes import REWRITE_NAMES
@@ -401,7 +402,7 @@ def _build(system: str, name: str, device: torch.device, dtype: torch.dtype, max
     model = build_model(name, dtype=dtype, device=device, seed=0)
     if system != "stock":
         passes = True if system == "unimem" else [n for n in REWRITE_NAMES if n != "mla_prefill"]
-        unimem_compile.compile(model, max_batch_size=1, max_seq_len=max_seq_len, page_size=PS if device.type ==
+        unimem_compile.compile(model, max_batch_size=batch, max_seq_len=max_seq_len, page_size=PS if device.type ==
                                "cuda" else 16, backend=backend, passes=passes)
     return model
 
@@ -532,7 +533,9 @@ def model_level(args) -> dict:
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "dtype": str(dtype).removeprefix("torch."), "chunk": args.chunk, "max_seq_len": max_seq_len,
         "repeats": args.repeats, "matmul_ceiling_tflops": ceiling, "kda_prefill": kda_prefill_backend(),
-        "conditions": f"one row of random tokens, no padding, chunks of {args.chunk}, generate(max_new_tokens=1), "
+        "batch": args.batch,
+        "conditions": f"{args.batch} row(s) of random tokens, no padding, chunks of {args.chunk}, "
+                      f"generate(max_new_tokens=1), "
                       f"best of {args.repeats} after a compiling warm-up; one max_seq_len for every row",
         "systems": {}, "rows": [],
     }
@@ -543,9 +546,10 @@ def model_level(args) -> dict:
     models = {}
     for system in args.systems:
         t = time.perf_counter()
-        model = _build(system, args.model, device, dtype, max_seq_len, args.backend)
+        model = _build(system, args.model, device, dtype, max_seq_len, args.backend, args.batch)
         vocab = model.config.vocab_size
-        warm = torch.randint(3, vocab, (1, min(2 * args.chunk, max(rows))), generator=torch.Generator().manual_seed(1))
+        warm = torch.randint(3, vocab, (args.batch, min(2 * args.chunk, max(rows))),
+                             generator=torch.Generator().manual_seed(1))
         _prefill(model, warm.to(device), args.chunk)  # compiles the first-chunk and the later-chunk graphs
         _sync(device)
         models[system] = model
@@ -557,9 +561,11 @@ def model_level(args) -> dict:
     last: dict[str, tuple[int, float]] = {}
     for tokens in rows:
         flops = model_prefill_flops(next(iter(models.values())), tokens, args.chunk)
+        if args.batch > 1:  # every row the same work: the bound scales with the rows
+            flops = {k: v * args.batch if isinstance(v, (int, float)) else v for k, v in flops.items()}
         bound_ms = flops["total"] / ceiling / 1e9
         entry = {"tokens": tokens, "flops": flops, "bound_ms": bound_ms, "systems": {}}
-        ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
+        ids = torch.randint(3, vocab, (args.batch, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
         first_tokens = {}
         for system, model in models.items():
             if system in last:  # attention is quadratic: scale the last measured run by the squared length
@@ -589,7 +595,8 @@ def model_level(args) -> dict:
             ms = min(times)
             last[system] = (tokens, ms)
             first_tokens[system] = int(out[0, -1])
-            rec = {"prefill_ms": ms, "prefill_tokens_per_s": tokens / ms * 1e3, "x_of_bound": ms / bound_ms,
+            rec = {"prefill_ms": ms, "prefill_tokens_per_s": args.batch * tokens / ms * 1e3,
+                   "x_of_bound": ms / bound_ms,
                    "runs_ms": times, "graphs_compiled_in_timed_runs": (None if graphs is None
                                                                      else _graphs(model) - graphs)}
             if device.type == "cuda":
@@ -639,6 +646,8 @@ def main(argv=None) -> int:
                     "(kimi-linear-48b-4l: the real geometry, 4 layers)")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="model level: row lengths in tokens")
     ap.add_argument("--chunk", type=int, default=CHUNK, help="model level: prefill_chunk_size")
+    ap.add_argument("--batch", type=int, default=1, help="model level: rows prefilled together (each of the row "
+                    "length; tokens/s and the bound count every row)")
     ap.add_argument("--device", default="cuda", help="model level: cuda or cpu")
     ap.add_argument("--backend", default="inductor", help="model level: the inner torch.compile backend")
     ap.add_argument("--repeats", type=int, default=2, help="model level: timed runs per row and system (best)")

@@ -257,6 +257,22 @@ def test_prefill_model_level_records_a_row_per_length(tmp_path):
         assert stock["x_of_bound"] == stock["prefill_ms"] / row["bound_ms"]
 
 
+def test_prefill_model_level_batch_counts_every_row(tmp_path):
+    """--batch 2: two rows per prefill; the FLOPs (and so the bound) and tokens/s count both rows."""
+    bench = _script("bench_mla_prefill")
+    recs = {}
+    for batch in (1, 2):
+        out = tmp_path / f"prefill_b{batch}.json"
+        assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "20", "--chunk", "16",
+                           "--systems", "stock", "--repeats", "1", "--batch", str(batch), "--out", str(out)]) == 0
+        recs[batch] = json.loads(out.read_text())
+    assert recs[2]["batch"] == 2 and recs[1]["batch"] == 1
+    one, two = recs[1]["rows"][0], recs[2]["rows"][0]
+    assert two["flops"]["total"] == 2 * one["flops"]["total"] and two["flops"]["linear"] == 2 * one["flops"]["linear"]
+    stock = two["systems"]["stock"]
+    assert stock["prefill_tokens_per_s"] == pytest.approx(2 * 20 / stock["prefill_ms"] * 1e3)
+
+
 def test_serving_traces_follow_their_definition():
     """bench_serving's traces (no model): counts, clips, the phased structure, --scale at the same rate."""
     bench = _script("bench_serving")
