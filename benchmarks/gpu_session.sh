@@ -6,7 +6,8 @@
 #   (GPU_TESTS picks gpu_tests' files; LIMIT_<step>=SECONDS overrides a step's limit; SWEEP_BUDGET the small sweep's;
 #    GEN_ARGS adds bench_generate arguments (split on spaces, no quotes), e.g.
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512"; PREFILL_MODEL_ARGS replaces
-#    bench_prefill_model's "--systems unimem,old_path", e.g. "--systems unimem --rows 4096 32768")
+#    bench_prefill_model's "--systems unimem,old_path", e.g. "--systems unimem --rows 4096 32768"; PREFILL_PROFILE its
+#    "--profile-row 32768" (PREFILL_PROFILE= profiles nothing: rows without 32768, e.g. "--rows 1024 --batch 4")
 #   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda
 #          kda_graphs_gpu bench_kda_prefill (ops/kda_graphs: the GPU test, eager fla vs its graphs) bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
@@ -145,7 +146,8 @@ for s in "$@"; do
     bench_mla_prefill_short) run_step bench_mla_prefill_short 200 python3 -P benchmarks/bench_mla_prefill.py --short \
                                --out "$OUT/json/mla_prefill_short.json" ;;
     bench_prefill_model) run_step bench_prefill_model 540 python3 -P benchmarks/bench_mla_prefill.py \
-                           --model kimi-linear-48b-4l ${PREFILL_MODEL_ARGS:---systems unimem,old_path} --profile-row 32768 \
+                           --model kimi-linear-48b-4l ${PREFILL_MODEL_ARGS:---systems unimem,old_path} \
+                           ${PREFILL_PROFILE---profile-row 32768} \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model:-540} - 40 ))" --out "$OUT/json/prefill_model.json" ;;
     bench_prefill_model_stock) run_step bench_prefill_model_stock 540 python3 -P benchmarks/bench_mla_prefill.py \
                            --model kimi-linear-48b-4l --systems stock --profile-row 32768 \
