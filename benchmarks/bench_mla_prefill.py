@@ -25,7 +25,8 @@ model, behind other queued work: ``LAYERS_IN_STREAM`` x (a ``[4096, 2304] x [230
 for the rest of a layer, then the op), with the host copy of the lengths and without it; the difference per
 op call is the sync's cost (the ``mla_prefill`` rewrite passes no host copy: docs/passes.md).
 
-``--model NAME`` (model level, ``model_level``): a whole prefill of one row of 4k, 32k and 128k random tokens
+``--model NAME`` (model level, ``model_level``): a whole prefill of one row (``--batch B``: B rows together, the
+FLOPs, bound and tokens/s counting every row) of 4k, 32k and 128k random tokens
 in 4k chunks (``generate(max_new_tokens=1, prefill_chunk_size=4096)``: the prefill and one sampled token),
 best of ``--repeats`` after an untimed warm-up that compiles, for three systems with the same seeded
 weights (bf16 on CUDA): ``unimem`` (``unimem_compile.compile``, every rewrite: ``mla_prefill`` on the
@@ -663,6 +664,8 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.systems) - set(MODEL_SYSTEMS))
         if unknown or not args.systems:
             ap.error(f"unknown --systems {unknown}; choose from {list(MODEL_SYSTEMS)}")
+        if args.batch < 1:
+            ap.error(f"--batch must be >= 1, got {args.batch}")
         if args.profile_row is not None and args.profile_row not in (args.rows or MODEL_ROWS):
             ap.error(f"--profile-row {args.profile_row} is not one of the rows {sorted(args.rows or MODEL_ROWS)}")
         if args.repeats < 1 or args.chunk < 1:

@@ -646,11 +646,15 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
             forwards, seconds = c["prefill_chunks"] - before[0], c["prefill_s"] - before[1]
             row["engine_forwards"] = forwards / (repeats + 1)
             row["engine_prefill_ms_per_forward"] = 1e3 * seconds / max(1, forwards)
+            saved = os.environ.get(env.KDA_GRAPHS)
             os.environ[env.KDA_GRAPHS] = "0"  # the same, fla's chunk_kda eager (ops/kda_graphs off)
             try:
                 row["engine_sync_nographs_ms"] = timed(by_engine)
-            finally:
-                os.environ.pop(env.KDA_GRAPHS, None)
+            finally:  # the caller's setting back (a whole run with UNIMEM_KDA_GRAPHS=0 stays so)
+                if saved is None:
+                    os.environ.pop(env.KDA_GRAPHS, None)
+                else:
+                    os.environ[env.KDA_GRAPHS] = saved
             if n in PROBE_PROFILED or (args.smoke and n == lengths[0]):
                 row["profile"] = kernel_breakdown(by_engine, device)
             manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)
@@ -706,17 +710,20 @@ def prefill_variants(T: int, start: int, *, kda_heads: int, workspace_tokens: in
       ``arch``, 10 x major + minor, None: the interpreter) and whether the history ``start + T`` spans
       more than one workspace piece (a running fp32 output: another pointer type, another kernel).
     * ``fla_l2norm`` (``T >= 2``, where fla is installed): its autotune bucket NB for ``T x kda_heads`` rows.
+    * ``kda_graph`` (``T >= 2``, where fla is installed): the bucket of ``ops/kda_graphs`` whose ``chunk_kda``
+      graph the chunk replays, captured at its first use (None: past the largest bucket, fla eager).
 
     Everything else a chunk launches is specialised on sizes a serving run never changes (head counts,
     strides, the layer), or on nothing (fla's chunk kernels take T unspecialised and autotune on head dims).
     """
-    from unimem_compile.ops import mla_prefill as prefill_op, mla_write
+    from unimem_compile.ops import kda_graphs, mla_prefill as prefill_op, mla_write
 
     first = "first" if start == 0 else "later"
     out = {("graph", f"{'one-token' if T == 1 else 'chunk'} {first}"), ("mla_kv_write", mla_write._block_t(T))}
     if T >= 2:
         out.add(("mla_prefill", (prefill_op._tiles(arch, T)["block_m"], start + T > workspace_tokens)))
         out.add(("fla_l2norm", -(-T * kda_heads // FLA_L2NORM_ROWS_PER_BUCKET)))
+        out.add(("kda_graph", kda_graphs.bucket_for(1, T)))  # the chunk_kda graph it replays (None: eager fla)
     return out
 
 

@@ -8,8 +8,9 @@
 #    GEN_ARGS="--profile --configs kimi-linear-48b-4l_b1_p512,kimi-linear-48b-4l_b32_p512"; PREFILL_MODEL_ARGS replaces
 #    bench_prefill_model's "--systems unimem,old_path", e.g. "--systems unimem --rows 4096 32768"; PREFILL_PROFILE its
 #    "--profile-row 32768" (PREFILL_PROFILE= profiles nothing: rows without 32768, e.g. "--rows 1024 --batch 4")
-#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation bench_mla_write bench_kda
-#          kda_graphs_gpu bench_kda_prefill (ops/kda_graphs: the GPU test, eager fla vs its graphs) bench_mla_decode sweep_mla_decode_small bench_mla_prefill
+#   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation
+#          bench_mla_write bench_kda kda_graphs_gpu bench_kda_prefill (ops/kda_graphs: the GPU tests, eager fla vs
+#          its graphs) bench_mla_decode sweep_mla_decode_small bench_mla_prefill
 #          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
@@ -132,7 +133,8 @@ for s in "$@"; do
                         tests/gpu/test_runner_gpu.py ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
-    kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py tests/gpu/test_kda_graphs_model_gpu.py ;;
+    kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py \
+                      tests/gpu/test_kda_graphs_model_gpu.py ;;
     bench_kda_prefill) run_step bench_kda_prefill 150 python3 -P benchmarks/bench_kda.py --prefill \
                          --out "$OUT/json/kda_prefill.json" ;;
     bench_mla_decode) run_step bench_mla_decode 200 python3 -P benchmarks/bench_mla_decode.py --out "$OUT/json/mla_decode.json" ;;

@@ -4,7 +4,8 @@ host cost.
 Why: a serving prefill forward of up to a few thousand tokens is host-bound (2026-12-02, ``kimi-linear-48b-8l``
 on one H200: 5.5 ms of kernels in a ~25-30 ms forward at 1,024 tokens), and fla's ``chunk_kda`` is the largest
 host item in it: ~20 Triton launches through Python per KDA layer (``ChunkKDAFunction`` 13.8 ms over 6 layers
-under the profiler). Replaying a captured graph costs one launch.
+under the profiler; ~0.9-1.2 ms of host per call at any length, 2026-12-03). A replay costs one graph launch
+plus the copies in and out: ~0.1 ms of host.
 
 How: a call of ``T`` tokens and ``B`` rows runs the graph of the smallest bucket ``Tb >= T`` in
 :data:`BUCKETS` captured for its shapes and dtypes (captured at first use: two eager runs outside the capture
@@ -18,18 +19,25 @@ fla). The outputs are copied out of the graph's buffers (fresh tensors, never al
 
 Eager fla instead (the caller's path) when: graphs are off (``UNIMEM_KDA_GRAPHS=0``), the tensors are not on
 CUDA, the current stream is capturing (a decode runner's graph records fla's kernels itself), autograd
-records (an input requires grad), or ``B * Tb`` exceeds :data:`MAX_GRAPH_TOKENS` (there fla's kernels
-outweigh its host cost and a graph's buffers would grow with the batch).
+records (an input requires grad), ``B * Tb`` exceeds :data:`MAX_GRAPH_TOKENS`, a new graph would take the
+static buffers past :data:`MAX_GRAPH_BYTES`, or the shape's capture raised once (logged; e.g. out of memory).
+The token limit is about memory, not speed: at 4,096 tokens fla's host cost (~1.2 ms) still exceeds its
+kernels (~0.6 ms), but a graph's buffers grow with rows x bucket.
 
-Memory: outside the arena, on the device of the inputs; per graph its static inputs and outputs
-(``B * Tb * H * (3 K + V) `` elements of the input dtypes, plus the fp32 states) and, shared by all graphs of a
-device, fla's workspace of the largest capture. :meth:`ChunkKDAGraphs.nbytes` reports the static buffers;
-:meth:`ChunkKDAGraphs.clear` frees everything.
+Memory: outside the arena, on the device of the inputs; per graph its static inputs and output
+(``B * Tb * H * (3 K + 2 V + 1)`` elements of the input dtypes: q, k, g, v, beta and o) and two fp32 states
+``[B, H, K, V]``, and, shared by all graphs of a device, fla's workspace of the largest capture.
+:meth:`ChunkKDAGraphs.nbytes` reports the static buffers; :meth:`ChunkKDAGraphs.clear` frees everything.
+
+Streams: the lock orders the host side only; a graph's buffers are written and read on the caller's current
+stream, so calls for one device must come from one stream at a time (every caller in the library uses its
+thread's current stream, and generate() and the serving engine hold the model's generate lock).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -47,6 +55,11 @@ logger = logging.getLogger(__name__)
 BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 #: the most tokens (rows x bucket) one graph covers; a larger call runs fla eagerly
 MAX_GRAPH_TOKENS = 4096
+#: the most bytes of static buffers all graphs of the process hold (:meth:`ChunkKDAGraphs.nbytes`); a shape whose
+#: graph would pass it runs fla eagerly. 1 GiB holds every one-row bucket at the Kimi-Linear geometry (~0.4 GiB)
+#: and a few more for small batches; without it, generate() calls of every batch size and chunk length could
+#: capture 127 (rows, bucket) graphs, ~25 GB at that geometry
+MAX_GRAPH_BYTES = 1 << 30
 
 
 def bucket_for(batch: int, tokens: int) -> int | None:
@@ -58,6 +71,15 @@ def bucket_for(batch: int, tokens: int) -> int | None:
         if b >= tokens:
             return b if batch * b <= MAX_GRAPH_TOKENS else None
     return None
+
+
+def _entry_bytes(batch: int, tb: int, xs, state: torch.Tensor) -> int:
+    """Static bytes of one graph: the inputs at ``tb`` tokens, the initial and final states, the output o
+    (``[B, tb, H, V]`` in q's dtype)."""
+    per_token = sum(math.prod(x.shape[2:]) * x.element_size() for x in xs)
+    v = xs[2]
+    o = math.prod(v.shape[2:]) * xs[0].element_size()
+    return batch * tb * (per_token + o) + 2 * state.numel() * state.element_size()
 
 
 @dataclass
@@ -118,6 +140,9 @@ class ChunkKDAGraphs:
                 return None
             entry = self._entries.get(key)
             if entry is None:
+                need = _entry_bytes(q.shape[0], tb, (q, k, v, g, beta), state)
+                if self._nbytes() + need > MAX_GRAPH_BYTES:
+                    return None
                 try:
                     entry = self._build(chunk, (q, k, v, g, beta), state, tb, float(scale), bool(use_qk_l2norm))
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape runs eagerly from now on
@@ -134,14 +159,19 @@ class ChunkKDAGraphs:
             entry.state.copy_(state)
             if entry.graph is not None:
                 entry.graph.replay()
-                o, final = entry.outputs
             else:
-                o, final = entry.run()
+                for out, new in zip(entry.outputs, entry.run()):
+                    out.copy_(new)
+            o, final = entry.outputs
             self.replays += 1
             return o[:, :t].clone(), final.clone()
 
     def nbytes(self) -> int:
         """Bytes of every graph's static inputs, state and outputs (fla's shared workspace not counted)."""
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
         total = 0
         for e in self._entries.values():
             for x in (*e.inputs, e.state, *e.outputs):
@@ -160,6 +190,12 @@ class ChunkKDAGraphs:
 
     # ------------------------------------------------------------------ capture
     def _build(self, chunk, xs, state, tb: int, scale: float, l2norm: bool) -> _Entry:
+        # normal tensors whatever the caller's mode: buffers made under inference_mode would refuse the copies of
+        # a later call outside it
+        with torch.inference_mode(False), torch.no_grad():
+            return self._build_buffers(chunk, xs, state, tb, scale, l2norm)
+
+    def _build_buffers(self, chunk, xs, state, tb: int, scale: float, l2norm: bool) -> _Entry:
         b = xs[0].shape[0]
         inputs = tuple(torch.zeros((b, tb, *x.shape[2:]), dtype=x.dtype, device=x.device) for x in xs)
         st = torch.zeros(state.shape, dtype=state.dtype, device=state.device)
@@ -168,22 +204,24 @@ class ChunkKDAGraphs:
             return chunk(*inputs, scale=scale, initial_state=st, output_final_state=True,
                          use_qk_l2norm_in_kernel=l2norm)
 
-        if not self.capture:
-            return _Entry(None, inputs, st, (), run)
+        if not self.capture:  # static outputs as a graph has them: run() writes into them (see __call__)
+            return _Entry(None, inputs, st, tuple(t.clone() for t in run()), run)
         dev = xs[0].device
-        with torch.cuda.device(dev):  # the capture records on the current device: make it the inputs'
+        with torch.cuda.device(dev):
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # autotuning and fla's lazy set-up happen here, not in the capture
                 for _ in range(2):
                     run()
-            torch.cuda.current_stream(dev).wait_stream(side)
             pool = self._pools.get(dev.index)
             if pool is None:
                 pool = self._pools[dev.index] = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            # captured on `side`, a stream of the inputs' device (torch's default capture stream is one per
+            # process, on the device it was first made for)
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 o, final = run()
+            torch.cuda.current_stream(dev).wait_stream(side)
         self.captures += 1
         return _Entry(graph, inputs, st, (o, final), run)
 

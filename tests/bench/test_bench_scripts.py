@@ -341,7 +341,7 @@ def test_serving_warm_up_reaches_every_kernel_variant_a_timed_run_can(budget, ma
     reachable = bench.reachable_variants(budget, max_prompt, **kw)
     assert reachable - _planned(bench, groups, budget, kw) == set()
     kinds = {what for what, _ in reachable}
-    assert kinds == {"graph", "mla_kv_write", "mla_prefill", "fla_l2norm"}
+    assert kinds == {"graph", "mla_kv_write", "mla_prefill", "fla_l2norm", "kda_graph"}
 
 
 def test_serving_old_warm_up_missed_what_the_2026_12_02_timed_runs_compiled():
@@ -369,6 +369,8 @@ def test_serving_prefill_variants_follow_the_kernels_boundaries():
     assert get(100, 8092, "mla_prefill") == [(128, False)] and get(100, 8093, "mla_prefill") == [(128, True)]
     assert get(1, 0, "mla_prefill") == [] and get(1, 0, "graph") == ["one-token first"]
     assert get(7, 3, "graph") == ["chunk later"]
+    assert [get(T, 0, "kda_graph") for T in (2, 64, 65, 4096, 4097)] == [[64], [64], [128], [4096], [None]]
+    assert get(1, 0, "kda_graph") == []  # one token: the recurrent decode form
 
 
 def test_serving_chunk_plan_splits_the_budget_as_the_engine_does():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from unimem_compile.ops import kda
+from unimem_compile.ops import kda_graphs
 from unimem_compile.ops.kda_graphs import BUCKETS, GRAPHS, MAX_GRAPH_TOKENS, ChunkKDAGraphs, bucket_for
 
 H, K, V = 2, 16, 8
@@ -67,7 +68,8 @@ def test_static_buffers_serve_calls_of_any_length_in_any_order():
         assert torch.equal(state, before)  # the caller's state is not modified
     # one entry per (rows, bucket): (1, 128) (1, 64) (2, 128) (2, 64)
     assert len(graphs) == 4 and graphs.replays == len(calls) and graphs.captures == 0
-    assert graphs.nbytes() == sum(4 * b * tb * H * (3 * K + V + 1) + 4 * b * H * K * V
+    # inputs q k g v beta and the output o per token, two states per row; all fp32 here
+    assert graphs.nbytes() == sum(4 * b * tb * H * (3 * K + 2 * V + 1) + 2 * 4 * b * H * K * V
                                   for b, tb in [(1, 128), (1, 64), (2, 128), (2, 64)])
     graphs.clear()
     assert len(graphs) == 0
@@ -112,3 +114,31 @@ def test_a_capture_that_raises_leaves_its_shape_eager_and_is_not_retried(monkeyp
         assert graphs(_fla_like, *_inputs(1, 50, gen), SCALE, True) is None  # same key: not captured again
     assert tries == [64] and len(graphs) == 0 and graphs.replays == 0
     assert "1 rows x 64 tokens failed" in caplog.text and "simulated" in caplog.text
+
+
+def test_buffers_made_under_inference_mode_serve_a_later_call_outside_it():
+    graphs = ChunkKDAGraphs(capture=False)
+    gen = torch.Generator().manual_seed(7)
+    first, second = _inputs(1, 40, gen), _inputs(1, 50, gen)
+    with torch.inference_mode():  # the engine keeps its caller's mode: the first prefill may build the buffers here
+        graphs(_fla_like, *first, SCALE, True)
+    with torch.no_grad():
+        o, final = graphs(_fla_like, *second, SCALE, True)
+    want_o, want_s = kda.kda_chunked(*second, SCALE, True)
+    torch.testing.assert_close(o, want_o, **TOL)
+    torch.testing.assert_close(final, want_s, **TOL)
+    assert graphs.replays == 2 and len(graphs) == 1
+
+
+def test_a_graph_past_the_byte_cap_is_not_built(monkeypatch):
+    graphs = ChunkKDAGraphs(capture=False)
+    gen = torch.Generator().manual_seed(8)
+    graphs(_fla_like, *_inputs(1, 64, gen), SCALE, True)
+    held = graphs.nbytes()
+    one_more = 4 * 128 * H * (3 * K + 2 * V + 1) + 2 * 4 * H * K * V  # the (1, 128) graph
+    monkeypatch.setattr(kda_graphs, "MAX_GRAPH_BYTES", held + one_more - 1)
+    assert graphs(_fla_like, *_inputs(1, 100, gen), SCALE, True) is None  # would pass the cap by one byte
+    assert graphs(_fla_like, *_inputs(1, 30, gen), SCALE, True) is not None  # a graph it holds still serves
+    monkeypatch.setattr(kda_graphs, "MAX_GRAPH_BYTES", held + one_more)
+    assert graphs(_fla_like, *_inputs(1, 100, gen), SCALE, True) is not None
+    assert graphs.nbytes() == held + one_more and len(graphs) == 2
