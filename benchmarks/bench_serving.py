@@ -57,10 +57,10 @@ turns at 2048 tokens x 32 heads, the graph forms) as first chunks, later chunks 
 crosses the workspace, plus budget splits. Before it, the first system paid Triton's compiles and fla's
 autotuning inside its timed window (2026-12-02: static0.5 ran first, compiled 35 kernels in its run and
 queued, TTFT p50 8.6 s against unified's 0.06 s; 2026-12-01: unified ran first and was 20% slower). A run
-that still compiled (Dynamo graphs or Triton kernels) carries ``confounded_by_jit: true``, is printed with a
-warning, and so are the ratios that use it. Mean concurrency is a fair comparison only at the issue's rate: below the capacity of both systems
-the faster one holds each request for less time and so has FEWER requests in flight (Little's law, L =
-lambda x W); hence ``--find-rate``.
+that still compiled (Dynamo graphs, Triton kernels or chunk_kda graph captures) carries ``confounded_by_jit:
+true``, is printed with a warning, and so are the ratios that use it. Mean concurrency is a fair comparison only
+at the issue's rate: below the capacity of both systems the faster one holds each request for less time and so
+has FEWER requests in flight (Little's law, L = lambda x W); hence ``--find-rate``.
 
 GPU, full run (one H200; ~2 x 3000 requests per system: budget about 15-25 minutes per system and trace at
 a rate near capacity; run systems in separate device calls, each writes its JSON):
@@ -288,6 +288,8 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     """Serve ``trace`` on the engine with ``system``'s memory; returns the metrics (module docstring).
     ``drain=False`` stops at the last arrival (what is still running is stopped, not served): the rate
     search needs only the queue while requests arrive."""
+    from unimem_compile.ops.kda_graphs import GRAPHS as KDA_GRAPHS
+
     vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed + 1)
     manager = model.init_continuous_batching(memory=memory_for(model, system, share),
@@ -308,6 +310,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     prompts = [rng.integers(0, vocab, r["prompt"]).tolist() for r in trace]
     refused = []
     graphs_before = _compiled_graphs()
+    captures_before = KDA_GRAPHS.captures
     moved_before = manager.engine.memory.stats()  # the pool's counts since it was built: this run's are the growth
     forwards = log_prefill_forwards(manager.engine)
     with torch.no_grad(), TritonCompiles() as jit:
@@ -352,6 +355,7 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     seconds = end - start
     graphs = _compiled_graphs() - graphs_before
     compiles = len(jit.names) if jit.available else None
+    captures = KDA_GRAPHS.captures - captures_before
     return {
         "system": manager.engine.memory.name, "requests": len(trace), "served": len(results),
         "failed": sum(1 for o in results.values() if o.error is not None), "never_fits": refused,
@@ -380,15 +384,19 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
         "triton_kernels_compiled_in_run": dict(collections.Counter(jit.names)) if jit.available else None,
         # either count above 0: the run paid for compiles in its own TTFT and tokens/s (a queue built while a
         # kernel compiles drains late), so it is no fair side of a comparison; None: Triton's count is unknown
-        "confounded_by_jit": confounded_by_jit(graphs, compiles),
+        # chunk_kda graphs captured inside the timed window (ops/kda_graphs; the warm-up covers every bucket): a
+        # capture synchronises the device and empties the allocator's cache on the engine thread
+        "kda_graphs_captured_in_run": captures,
+        "confounded_by_jit": confounded_by_jit(graphs, compiles, captures),
         "timeline": {**timeline, "tokens_per_s": rate},
     }
 
 
-def confounded_by_jit(graphs_compiled: int, triton_compiles: int | None) -> bool | None:
-    """Whether a timed run compiled anything: True when either count is above 0, None when no graph compiled
-    and the Triton count is unknown (None: no hook), else False."""
-    if graphs_compiled > 0 or (triton_compiles or 0) > 0:
+def confounded_by_jit(graphs_compiled: int, triton_compiles: int | None, kda_captures: int = 0) -> bool | None:
+    """Whether a timed run compiled anything: True when any count is above 0 (Dynamo graphs, Triton kernels,
+    chunk_kda graph captures), None when nothing else did and the Triton count is unknown (None: no hook), else
+    False."""
+    if graphs_compiled > 0 or (triton_compiles or 0) > 0 or kda_captures > 0:
         return True
     return None if triton_compiles is None else False
 
@@ -1099,7 +1107,8 @@ def main(argv=None) -> int:
             brief = {k: r[k] for k in ("mean_concurrent", "peak_concurrent", "mean_concurrent_while_queued",
                                        "queued_fraction", "preemptions", "ttft_p99_s", "output_tokens_per_s",
                                        "refused_with_room", "row_waits", "leaked_pages", "graphs_compiled_in_run",
-                                       "triton_compiles_in_run", "confounded_by_jit", "kv_share", "error")
+                                       "triton_compiles_in_run", "kda_graphs_captured_in_run", "confounded_by_jit",
+                                       "kv_share", "error")
                      if k in r}
             print(f"{name:10s} {system:12s} {json.dumps(brief)}", flush=True)
             if "time_split" in r:

@@ -398,6 +398,7 @@ def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios
     bench = _script("bench_serving")
     assert bench.confounded_by_jit(0, 0) is False and bench.confounded_by_jit(0, 35) is True
     assert bench.confounded_by_jit(1, None) is True and bench.confounded_by_jit(0, None) is None
+    assert bench.confounded_by_jit(0, 0, 1) is True and bench.confounded_by_jit(0, None, 2) is True
     clean = {"mean_concurrent": 4.0, "ttft_p99_s": 1.0, "confounded_by_jit": False}
     results = {"unified": clean, "static0.5": {"mean_concurrent": 2.0, "ttft_p99_s": 4.0, "confounded_by_jit": True},
                "static0.25": {"mean_concurrent": 5.0, "ttft_p99_s": 2.0, "confounded_by_jit": False},
