@@ -105,10 +105,10 @@ PREFILL_TOKENS = (64, 256, 1000, 1024, 4096)
 
 def prefill_rows(device, gen) -> list[dict]:
     """``--prefill`` (module docstring): one dict per (T, path)."""
-    import os
     import statistics
     import time
 
+    from unimem_compile import env
     from unimem_compile.ops.kda_graphs import GRAPHS
 
     chunk = kda.fla_chunk_kda()
@@ -129,26 +129,21 @@ def prefill_rows(device, gen) -> list[dict]:
         kernel_us = 1e3 * do_bench_cudagraph(lambda: chunk(q, k, v, g, beta, scale=K ** -0.5, initial_state=state,
                                                            output_final_state=True, use_qk_l2norm_in_kernel=True),
                                              return_mode="median")
-        saved = os.environ.get("UNIMEM_KDA_GRAPHS")
         for path, flag in (("eager", "0"), ("graph", "1")):
-            os.environ["UNIMEM_KDA_GRAPHS"] = flag
-            for _ in range(3):  # autotune / capture
-                call()
             host, wall = [], []
-            for _ in range(30):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                call()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                host.append((t1 - t0) * 1e6)
-                wall.append((time.perf_counter() - t0) * 1e6)
+            with env.overridden(env.KDA_GRAPHS, flag):
+                for _ in range(3):  # autotune / capture
+                    call()
+                for _ in range(30):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    call()
+                    t1 = time.perf_counter()
+                    torch.cuda.synchronize()
+                    host.append((t1 - t0) * 1e6)
+                    wall.append((time.perf_counter() - t0) * 1e6)
             rows.append({"tokens": t, "path": path, "host_us": statistics.median(host),
                          "wall_us": statistics.median(wall), "kernel_us": kernel_us})
-        if saved is None:  # the caller's setting back
-            os.environ.pop("UNIMEM_KDA_GRAPHS", None)
-        else:
-            os.environ["UNIMEM_KDA_GRAPHS"] = saved
     print(f"{'tokens':>6s} {'path':6s} {'host us':>9s} {'wall us':>9s} {'kernels us':>10s}")
     for r in rows:
         print(f"{r['tokens']:6d} {r['path']:6s} {r['host_us']:9.1f} {r['wall_us']:9.1f} {r['kernel_us']:10.1f}")

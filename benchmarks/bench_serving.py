@@ -654,15 +654,8 @@ def prefill_probe(model, args, repeats: int = 3) -> dict:
             forwards, seconds = c["prefill_chunks"] - before[0], c["prefill_s"] - before[1]
             row["engine_forwards"] = forwards / (repeats + 1)
             row["engine_prefill_ms_per_forward"] = 1e3 * seconds / max(1, forwards)
-            saved = os.environ.get(env.KDA_GRAPHS)
-            os.environ[env.KDA_GRAPHS] = "0"  # the same, fla's chunk_kda eager (ops/kda_graphs off)
-            try:
+            with env.overridden(env.KDA_GRAPHS, "0"):  # the same, fla's chunk_kda eager (ops/kda_graphs off)
                 row["engine_sync_nographs_ms"] = timed(by_engine)
-            finally:  # the caller's setting back (a whole run with UNIMEM_KDA_GRAPHS=0 stays so)
-                if saved is None:
-                    os.environ.pop(env.KDA_GRAPHS, None)
-                else:
-                    os.environ[env.KDA_GRAPHS] = saved
             if n in PROBE_PROFILED or (args.smoke and n == lengths[0]):
                 row["profile"] = kernel_breakdown(by_engine, device)
             manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)

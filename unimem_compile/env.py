@@ -22,10 +22,11 @@ workers of the whole suite, default 2; 1 runs it in one process) and ``UNIMEM_SH
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 __all__ = ["DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "TP_TIMEOUT", "debug", "dump_graphs",
-           "kda_graphs", "mla_decode_kernel", "tp_timeout_s", "triton_interpret"]
+           "kda_graphs", "mla_decode_kernel", "overridden", "tp_timeout_s", "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
 DEBUG = "UNIMEM_DEBUG"
@@ -76,6 +77,23 @@ def tp_timeout_s() -> float:
     if not 0 < value < float("inf"):
         raise ValueError(f"{TP_TIMEOUT} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+@contextlib.contextmanager
+def overridden(name: str, value: str):
+    """Set the environment variable ``name`` to ``value`` inside the block and put back what the caller had
+    (its value, or unset) after it, also when the block raises: an A/B column of a benchmark
+    (``with overridden(KDA_GRAPHS, "0"): ...``) leaves a whole run's own setting as it found it. Every
+    variable here is read per call, so the override takes effect at once."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def triton_interpret() -> bool:

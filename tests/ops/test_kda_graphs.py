@@ -2,6 +2,8 @@
 math), and the static-buffer handling (``capture=False`` runs the same copies and padding without a CUDA
 graph) against unpadded calls. The captured graphs themselves run in tests/gpu/test_state_gpu.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -142,3 +144,20 @@ def test_a_graph_past_the_byte_cap_is_not_built(monkeypatch):
     monkeypatch.setattr(kda_graphs, "MAX_GRAPH_BYTES", held + one_more)
     assert graphs(_fla_like, *_inputs(1, 100, gen), SCALE, True) is not None
     assert graphs.nbytes() == held + one_more and len(graphs) == 2
+
+
+def test_an_override_of_the_switch_puts_back_what_the_caller_had(monkeypatch):
+    """env.overridden (the benchmarks' A/B columns): inside the block the graphs are off; after it, an unset
+    variable is unset again and a set one keeps its value, also when the block raises."""
+    from unimem_compile import env
+
+    monkeypatch.delenv(env.KDA_GRAPHS, raising=False)
+    with env.overridden(env.KDA_GRAPHS, "0"):
+        assert not env.kda_graphs()
+    assert env.KDA_GRAPHS not in os.environ and env.kda_graphs()
+    monkeypatch.setenv(env.KDA_GRAPHS, "0")
+    with pytest.raises(RuntimeError, match="inside"):
+        with env.overridden(env.KDA_GRAPHS, "1"):
+            assert env.kda_graphs()
+            raise RuntimeError("inside")
+    assert os.environ[env.KDA_GRAPHS] == "0" and not env.kda_graphs()
