@@ -66,11 +66,14 @@ usage: python benchmarks/bench_mla_prefill.py [--out results.json] [--quick] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import re
+import statistics
 import time
 
 import torch
@@ -520,6 +523,13 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
                     for n, (ms, calls) in ranked], **({"host": host} if host is not None else {})}
 
 
+def _overridden(override):
+    """``env.overridden(*override)``, or nothing to do when ``override`` is None."""
+    from unimem_compile import env
+
+    return env.overridden(*override) if override is not None else contextlib.nullcontext()
+
+
 def model_level(args) -> dict:
     """Whole-model chunked prefills, three systems (module docstring); returns the JSON record."""
     device = torch.device(args.device)
@@ -535,6 +545,9 @@ def model_level(args) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "chunk": args.chunk, "max_seq_len": max_seq_len,
         "repeats": args.repeats, "matmul_ceiling_tflops": ceiling, "kda_prefill": kda_prefill_backend(),
         "batch": args.batch,
+        # the switches an A/B run sets (UNIMEM_STAND_IN_MASKS, UNIMEM_KDA_GRAPHS, ...), as this process saw them
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith("UNIMEM_") or k == "TRITON_CACHE_AUTOTUNING"},
         "conditions": f"{args.batch} row(s) of random tokens, no padding, chunks of {args.chunk}, "
                       f"generate(max_new_tokens=1), "
                       f"best of {args.repeats} after a compiling warm-up; one max_seq_len for every row",
@@ -557,6 +570,13 @@ def model_level(args) -> dict:
         result["systems"][system] = {"build_and_warmup_s": time.perf_counter() - t, "graphs": _graphs(model),
                                      "rewrites": dict(model.unimem.rewrites) if system != "stock" else None}
         print(f"{system}: built and warmed up in {result['systems'][system]['build_and_warmup_s']:.1f} s")
+    overrides = {}  # an --ab-env variant: the same compiled model, timed with the variable set
+    if args.ab_env:
+        name, _, value = args.ab_env.partition("=")
+        for system in list(models):
+            variant = f"{system}[{name}={value}]"
+            models[variant], overrides[variant] = models[system], (name, value)
+            result["systems"][variant] = {**result["systems"][system], "environment": {name: value}}
     print(f"matmul ceiling {ceiling:.3g} TFLOP/s ({dtype}); max_seq_len {max_seq_len}")
     print(f"{'tokens':>7} {'system':>9} {'ms':>10} {'tokens/s':>10} {'x bound':>8} {'peak GiB':>9}")
     last: dict[str, tuple[int, float]] = {}
@@ -568,7 +588,8 @@ def model_level(args) -> dict:
         entry = {"tokens": tokens, "flops": flops, "bound_ms": bound_ms, "systems": {}}
         ids = torch.randint(3, vocab, (args.batch, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
         first_tokens = {}
-        for system, model in models.items():
+        timed = {}  # system -> [times], graphs before; the systems' runs interleave (run r of each, then r + 1)
+        for system in models:
             if system in last:  # attention is quadratic: scale the last measured run by the squared length
                 seen, ms = last[system]
                 estimate = ms / 1e3 * (tokens / seen) ** 2 * args.repeats
@@ -576,38 +597,46 @@ def model_level(args) -> dict:
                     entry["systems"][system] = {"skipped": f"would pass --deadline-s (estimate {estimate:.0f} s)"}
                     print(f"{tokens:>7} {system:>9} skipped: estimate {estimate:.0f} s passes the deadline")
                     continue
-            graphs = _graphs(model)
-            times = []
-            try:
-                for _ in range(args.repeats):
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(device)
-                        before = torch.cuda.memory_allocated(device)
-                    _sync(device)
-                    t = time.perf_counter()
-                    out = _prefill(model, ids, args.chunk)
-                    _sync(device)
-                    times.append((time.perf_counter() - t) * 1e3)
-            except torch.OutOfMemoryError as e:
-                entry["systems"][system] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
-                print(f"{tokens:>7} {system:>9} out of memory")
-                torch.cuda.empty_cache()
-                continue
+            timed[system] = ([], _graphs(models[system]), {"peak": 0})
+        outs = {}
+        for _ in range(args.repeats):
+            for system, (times, _, peak) in list(timed.items()):
+                try:
+                    with _overridden(overrides.get(system)):
+                        if device.type == "cuda":
+                            torch.cuda.reset_peak_memory_stats(device)
+                            before = torch.cuda.memory_allocated(device)
+                        _sync(device)
+                        t = time.perf_counter()
+                        outs[system] = _prefill(models[system], ids, args.chunk)
+                        _sync(device)
+                        times.append((time.perf_counter() - t) * 1e3)
+                        if device.type == "cuda":
+                            peak["peak"] = max(peak["peak"], torch.cuda.max_memory_allocated(device) - before)
+                except torch.OutOfMemoryError as e:
+                    entry["systems"][system] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
+                    print(f"{tokens:>7} {system:>9} out of memory")
+                    del timed[system]
+                    torch.cuda.empty_cache()
+        for system, (times, graphs, peak) in timed.items():
+            model = models[system]
             ms = min(times)
             last[system] = (tokens, ms)
-            first_tokens[system] = int(out[0, -1])
-            rec = {"prefill_ms": ms, "prefill_tokens_per_s": args.batch * tokens / ms * 1e3,
-                   "x_of_bound": ms / bound_ms,
+            first_tokens[system] = int(outs[system][0, -1])
+            rec = {"prefill_ms": ms, "median_ms": statistics.median(times),
+                   "prefill_tokens_per_s": args.batch * tokens / ms * 1e3, "x_of_bound": ms / bound_ms,
                    "runs_ms": times, "graphs_compiled_in_timed_runs": (None if graphs is None
                                                                      else _graphs(model) - graphs)}
             if device.type == "cuda":
-                rec["peak_bytes_above_start"] = torch.cuda.max_memory_allocated(device) - before
+                rec["peak_bytes_above_start"] = peak["peak"]
             if args.profile_row == tokens:  # one more prefill under the profiler, after the timed ones
-                rec["profile"] = kernel_breakdown(lambda: _prefill(model, ids, args.chunk), device)
+                with _overridden(overrides.get(system)):
+                    rec["profile"] = kernel_breakdown(lambda: _prefill(model, ids, args.chunk), device)
             entry["systems"][system] = rec
             peak = rec.get("peak_bytes_above_start")
             print(f"{tokens:>7} {system:>9} {ms:>10.1f} {rec['prefill_tokens_per_s']:>10.0f} {rec['x_of_bound']:>8.2f} "
-                  + (f"{peak / 2**30:>9.2f}" if peak is not None else f"{'-':>9}"))
+                  + (f"{peak / 2**30:>9.2f}" if peak is not None else f"{'-':>9}")
+                  + f"  median {rec['median_ms']:.1f}")
         if "stock" in first_tokens:
             entry["first_token_equal_to_stock"] = {s: t == first_tokens["stock"] for s, t in first_tokens.items()}
         done = entry["systems"]
@@ -649,6 +678,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=CHUNK, help="model level: prefill_chunk_size")
     ap.add_argument("--batch", type=int, default=1, help="model level: rows prefilled together (each of the row "
                     "length; tokens/s and the bound count every row)")
+    ap.add_argument("--ab-env", default=None, metavar="NAME=VALUE",
+                    help="model level: also time every system with the environment variable NAME set to "
+                         "VALUE (the same model, its runs interleaved with the system's), e.g. UNIMEM_STAND_IN_MASKS=0")
     ap.add_argument("--device", default="cuda", help="model level: cuda or cpu")
     ap.add_argument("--backend", default="inductor", help="model level: the inner torch.compile backend")
     ap.add_argument("--repeats", type=int, default=2, help="model level: timed runs per row and system (best)")
@@ -668,6 +700,8 @@ def main(argv=None) -> int:
             ap.error(f"--batch must be >= 1, got {args.batch}")
         if args.profile_row is not None and args.profile_row not in (args.rows or MODEL_ROWS):
             ap.error(f"--profile-row {args.profile_row} is not one of the rows {sorted(args.rows or MODEL_ROWS)}")
+        if args.ab_env is not None and ("=" not in args.ab_env or not args.ab_env.partition("=")[0]):
+            ap.error(f"--ab-env takes NAME=VALUE, got {args.ab_env!r}")
         if args.repeats < 1 or args.chunk < 1:
             ap.error(f"--repeats and --chunk must be >= 1, got {args.repeats} and {args.chunk}")
         model_level(args)

@@ -68,6 +68,9 @@ OUT=${OUT:-/tmp/unimem_out}
 mkdir -p "$OUT/json"
 LOG="$OUT/session.log"
 export TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+# (nineteenth session) Triton keeps autotuning results on disk, so fla's ~90 s autotune of the KDA kernels is paid by
+# the first step of a call that needs it, not by every process (knobs.autotuning.cache; TRITON_CACHE_AUTOTUNING=0 off)
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 
 {
   date -u

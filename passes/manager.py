@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
@@ -42,7 +43,8 @@ from unimem_compile import env
 
 from . import common
 
-__all__ = ["REWRITE_NAMES", "enabled_names", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir"]
+__all__ = ["REWRITE_NAMES", "enabled_names", "PassManager", "GraphRecord", "dump_dir", "check_dump_dir",
+           "StandInRead", "mark_stand_in"]
 
 log = logging.getLogger("unimem_compile.passes")
 #: one INFO line per graph compiled (``logging.basicConfig(level=logging.INFO)`` shows them)
@@ -54,6 +56,24 @@ REWRITE_NAMES = ("mla_write_fusion", "mla_absorb", "kda_state_inplace", "conv_st
 
 # numbers dumped graphs across every manager of the process, so two models never overwrite each other
 _dump_serial = itertools.count(1)
+
+# the live stand-ins (mark_stand_in), by id: a graph input that is one of them must be read by nothing
+_stand_ins: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+class StandInRead(RuntimeError):
+    """A graph compiled for a step that passed a stand-in (:func:`mark_stand_in`) still reads it after the
+    rewrites. Raised by :meth:`PassManager.backend` before the inner compile (Dynamo raises it wrapped in
+    ``BackendCompilerFailed``); the caller runs the step again with the real tensor."""
+
+
+def mark_stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """Register ``tensor`` as a stand-in for an input the rewritten graphs never read (generate()'s
+    full-attention mask on a prefill step, ``unimem_compile/hf/masks.py``): its values are never written.
+    A graph compiled with it as an input that still reads it after the rewrites raises
+    :class:`StandInRead`. Returns ``tensor``."""
+    _stand_ins[id(tensor)] = tensor
+    return tensor
 
 
 def dump_dir() -> Path | None:
@@ -137,6 +157,9 @@ class PassManager(CustomGraphPass):
         counts: ``{name: replacements}`` for every FROZEN name, summed over every graph processed.
         graphs: number of graphs this manager has processed.
         records: the :class:`GraphRecord` list when ``keep_graphs`` is set.
+        reads_attention_mask: a prefill graph compiled through :meth:`backend` reads, after the rewrites, a
+            4-D ``attention_mask`` input or a stand-in (:func:`mark_stand_in`): generate() then stops passing
+            stand-ins for this model (``unimem_compile/hf/masks.py``).
 
     Raises:
         ValueError: ``enabled`` names a rewrite not among ``rewrites``.
@@ -152,6 +175,7 @@ class PassManager(CustomGraphPass):
         self.graphs = 0
         self.keep_graphs = keep_graphs
         self.records: list[GraphRecord] = []
+        self.reads_attention_mask = False
 
     def __call__(self, graph: torch.fx.Graph | torch.fx.GraphModule) -> dict[str, int]:  # type: ignore[override]
         """Rewrite ``graph`` in place with every enabled rewrite (Inductor's ``CustomGraphPass`` entry;
@@ -214,6 +238,7 @@ class PassManager(CustomGraphPass):
             start = time.perf_counter()
             family = graph_family(gm)  # before the rewrites: they may replace the nodes it reads
             self.apply(gm)
+            self._check_inputs(gm, example_inputs)
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -232,6 +257,23 @@ class PassManager(CustomGraphPass):
 
         unimem_backend.manager = self  # type: ignore[attr-defined]
         return unimem_backend
+
+    def _check_inputs(self, gm: torch.fx.GraphModule, example_inputs) -> None:
+        """After the rewrites: note a prefill graph that reads a 4-D ``attention_mask`` input, and refuse one
+        that reads a stand-in (:class:`StandInRead`). Placeholders and ``example_inputs`` come in the same
+        order (Dynamo's graph inputs)."""
+        if is_decode_graph(gm):
+            return
+        for node, example in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            if not node.users or not isinstance(example, torch.Tensor):
+                continue
+            if _stand_ins.get(id(example)) is example:
+                self.reads_attention_mask = True
+                readers = ", ".join(sorted({str(u.target) for u in node.users}))
+                raise StandInRead(f"the rewritten graph reads the stand-in input {node.name} "
+                                  f"{list(example.shape)} ({readers}): a rewrite left its reader in place")
+            if "attention_mask" in node.name and example.dim() == 4:
+                self.reads_attention_mask = True
 
     def __repr__(self) -> str:
         return f"PassManager(enabled={sorted(self.enabled)}, counts={self.counts})"

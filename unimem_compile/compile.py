@@ -21,6 +21,7 @@ import torch
 
 from .errors import GeometryError, UnsupportedModel
 from .hf.adapters import ModelAdapter, adapter_for
+from .hf.masks import with_real_masks
 from .hf.runtime import UnimemHandle, install
 from .options import CompileOptions
 from .pool import ArenaLayout, UnifiedPool
@@ -173,9 +174,16 @@ def _own_entry(fn, tag: int):
     """A trampoline calling ``fn`` with a code object of its own. Dynamo keeps its compiled-graph cache and
     recompile count per top-level code object, and every transformers model's ``forward`` is the same
     decorator ``wrapper`` code: without this, all compiled models of a process would share one cache
-    (checking each other's guards on every call) and one recompile budget."""
+    (checking each other's guards on every call) and one recompile budget.
+
+    A call that runs without Dynamo (``torch.compiler.set_stance("force_eager")``, Dynamo disabled,
+    ``suppress_errors`` after a failed compile) gets transformers' attention masks in place of a stand-in
+    (``hf/masks.py``): no rewrite replaced their readers. Under Dynamo ``is_compiling()`` is a constant and the
+    branch is not traced."""
 
     def entry(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            kwargs = with_real_masks(kwargs)
         return fn(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name=f"unimem_forward_{tag}")

@@ -10,6 +10,7 @@ project, so the pool, the ops and the passes can all use it.
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_KDA_GRAPHS`` | ``0``, or anything else | unset | ``0``: CUDA prefills run flash-linear-attention's ``chunk_kda`` eagerly instead of replaying a captured graph per chunk-length bucket (``unimem_compile.ops.kda_graphs``; A/B runs, debugging) |
 | ``UNIMEM_MLA_DECODE_KERNEL`` | ``auto``, ``portable``, ``wgmma`` | ``auto`` | the stage-1 form of every ``mla_decode`` launch that passes no ``kernel=`` (benchmarks, A/B runs); another value makes the launch raise ValueError |
+| ``UNIMEM_STAND_IN_MASKS`` | ``0``, or anything else | unset | ``0``: generate()'s prefill steps get transformers' eager 4-D attention mask instead of an unwritten stand-in that no rewritten graph reads (``unimem_compile.hf.masks``; A/B runs, debugging) |
 | ``UNIMEM_TP_TIMEOUT`` | seconds (a positive number) | ``300`` | how long a tensor-parallel rank waits for the others at a host-side check (``compile(tensor_parallel=True)``, each ``generate()`` call) before it raises ``RankMismatch``; another value makes those raise ValueError |
 | ``TRITON_INTERPRET`` | ``1``, or anything else | unset | read by Triton when a kernel is defined (set it before importing ``unimem_compile``); ``1`` also lets the Triton launchers take CPU tensors |
 
@@ -25,14 +26,16 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "TP_TIMEOUT", "debug", "dump_graphs",
-           "kda_graphs", "mla_decode_kernel", "overridden", "tp_timeout_s", "triton_interpret"]
+__all__ = ["DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "STAND_IN_MASKS", "TP_TIMEOUT", "debug",
+           "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden", "stand_in_masks", "tp_timeout_s",
+           "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
 DEBUG = "UNIMEM_DEBUG"
 DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
 KDA_GRAPHS = "UNIMEM_KDA_GRAPHS"
 MLA_DECODE_KERNEL = "UNIMEM_MLA_DECODE_KERNEL"
+STAND_IN_MASKS = "UNIMEM_STAND_IN_MASKS"
 TP_TIMEOUT = "UNIMEM_TP_TIMEOUT"
 
 #: seconds a tensor-parallel host-side check waits for the other ranks when UNIMEM_TP_TIMEOUT is unset: long
@@ -53,6 +56,12 @@ def dump_graphs() -> str | None:
 def kda_graphs() -> bool:
     """Whether CUDA prefills may replay captured ``chunk_kda`` graphs (``UNIMEM_KDA_GRAPHS`` is not ``0``)."""
     return os.environ.get(KDA_GRAPHS) != "0"
+
+
+def stand_in_masks() -> bool:
+    """Whether generate()'s prefill steps may get a stand-in full-attention mask (``UNIMEM_STAND_IN_MASKS`` is
+    not ``0``; ``unimem_compile.hf.masks``)."""
+    return os.environ.get(STAND_IN_MASKS) != "0"
 
 
 def mla_decode_kernel() -> str | None:

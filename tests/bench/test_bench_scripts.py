@@ -273,6 +273,34 @@ def test_prefill_model_level_batch_counts_every_row(tmp_path):
     assert stock["prefill_tokens_per_s"] == pytest.approx(2 * 20 / stock["prefill_ms"] * 1e3)
 
 
+def test_prefill_model_level_ab_env_interleaves_a_variant_of_each_system(tmp_path, monkeypatch):
+    """--ab-env NAME=VALUE: every system is timed again with the variable set (the same model), the runs
+    interleaved (system, variant, system, variant), and the variable is unset again outside the variant's runs."""
+    bench = _script("bench_mla_prefill")
+    seen = []
+    real = bench._prefill
+
+    def recording(model, ids, chunk):
+        seen.append(os.environ.get("UNIMEM_AB_PROBE"))
+        return real(model, ids, chunk)
+
+    monkeypatch.setattr(bench, "_prefill", recording)
+    monkeypatch.delenv("UNIMEM_AB_PROBE", raising=False)
+    out = tmp_path / "prefill_ab.json"
+    assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "20", "--chunk", "16",
+                       "--systems", "stock", "--repeats", "2", "--ab-env", "UNIMEM_AB_PROBE=7", "--out", str(out)]) == 0
+    assert seen == [None, None, "7", None, "7"]  # the warm-up, then the two repeats interleaved
+    assert "UNIMEM_AB_PROBE" not in os.environ
+    rec = json.loads(out.read_text())
+    variant = "stock[UNIMEM_AB_PROBE=7]"
+    assert rec["systems"][variant]["environment"] == {"UNIMEM_AB_PROBE": "7"}
+    row = rec["rows"][0]["systems"]
+    assert set(row) == {"stock", variant} and all(len(row[s]["runs_ms"]) == 2 for s in row)
+    assert all(row[s]["median_ms"] >= row[s]["prefill_ms"] > 0 for s in row)
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--systems", "stock", "--ab-env", "NOVALUE"])
+
+
 def test_serving_traces_follow_their_definition():
     """bench_serving's traces (no model): counts, clips, the phased structure, --scale at the same rate."""
     bench = _script("bench_serving")

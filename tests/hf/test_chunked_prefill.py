@@ -13,6 +13,7 @@ Compiles dominate the cost: every test uses batches of 3 rows (a new batch size 
 unpadded case (two more graphs) runs for DeepSeek-V3 only.
 """
 
+import logging
 import math
 import re
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import unimem_compile
+from unimem_compile import env
 from unimem_compile.errors import GeometryError, UnsupportedModel
 from unimem_compile.hf.generate_checks import _cache_kwarg
 from unimem_compile.hf.models import build_model
@@ -266,3 +268,73 @@ def test_chunk_sizes_and_continuations_transformers_cannot_chunk_are_refused(pai
     finally:
         cache.release()
     assert model.unimem.stats()["kv_pages_used"] == 0 and model.unimem.stats()["state_slots_used"] == 0
+
+
+def _recording_sdpa_masks(monkeypatch) -> list:
+    """Record the shape of every attention mask transformers' SDPA mask function builds outside a compiled
+    graph (what ``prepare_inputs_for_generation`` does for a compileable cache); returns the list."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    built = []
+    sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(*args, **kwargs):
+        mask = sdpa(*args, **kwargs)
+        if not torch.compiler.is_compiling() and isinstance(mask, torch.Tensor):
+            built.append(tuple(mask.shape))
+        return mask
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recording)
+    return built
+
+
+def test_a_chunked_padded_generate_builds_no_eager_attention_mask(pair, monkeypatch):
+    """transformers builds the ``[B, 1, T, max_seq_len]`` mask of every prefill chunk eagerly (the cache is
+    compileable); the rewritten graphs never read it, so generate() hands them a stand-in of the same shape
+    (hf/masks.py): no 4-D mask is built outside a graph, the tokens are stock's and no graph is added."""
+    stock, model, _ = pair
+    built = _recording_sdpa_masks(monkeypatch)
+    ids, mask = prompts([37, 21, 30], seed=41)
+    want = greedy(stock, ids, mask)
+    assert (3, 1, 37, 37) in built  # the recorder sees stock's masks
+    built.clear()
+    # 8 chunks, the last of 2 tokens (a one-token chunk is a decode step: transformers' [B, 1, 1, M] mask);
+    # row 1's 16 pads outlast 3 chunks
+    assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=5), want)
+    graphs = model.unimem.passes.graphs
+    assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=16), want)
+    assert built == []  # decode steps: the decode runner builds its mask inside its graph
+    assert model.unimem.passes.graphs == graphs and not model.unimem.passes.reads_attention_mask
+    # UNIMEM_STAND_IN_MASKS=0: transformers' own masks again, per chunk (the same graphs, the same tokens)
+    with env.overridden(env.STAND_IN_MASKS, "0"):
+        assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=16), want)
+    assert built == [(3, 1, 16, MAX_SEQ), (3, 1, 16, MAX_SEQ), (3, 1, 5, MAX_SEQ)]  # 37 = 16 + 16 + 5
+    assert model.unimem.passes.graphs == graphs
+
+
+def test_a_prefill_graph_that_reads_the_mask_gets_transformers_mask(monkeypatch, caplog):
+    """A ``kv_b_proj`` with a bias is refused by the MLA rewrites, so the prefill graph reads its attention
+    mask: compiled for a stand-in, it raises before the inner compile, the step runs again with transformers'
+    mask, and from then on every prefill step gets transformers' masks. The tokens are stock's."""
+
+    def biased(model):
+        gen = torch.Generator().manual_seed(7)
+        for name, module in model.named_modules():
+            if name.endswith("kv_b_proj"):
+                module.bias = torch.nn.Parameter(0.1 * torch.randn(module.out_features, generator=gen))
+        return model
+
+    stock, model = biased(build_model("kimi-linear-tiny")), biased(build_model("kimi-linear-tiny"))
+    unimem_compile.compile(model, max_batch_size=3, max_seq_len=MAX_SEQ, page_size=PAGE, backend="aot_eager")
+    built = _recording_sdpa_masks(monkeypatch)
+    ids, mask = prompts([30, 17, 25], seed=43)
+    want = greedy(stock, ids, mask)
+    chunks = [(3, 1, 8, MAX_SEQ)] * 3 + [(3, 1, 6, MAX_SEQ)]  # 30 = 8 + 8 + 8 + 6
+    for _ in range(2):
+        built.clear()
+        with caplog.at_level(logging.INFO, logger="unimem_compile.compile"):
+            assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
+        assert built == chunks  # the first chunk's after its stand-in was read, then transformers' own
+    assert model.unimem.rewrites["mla_prefill"] == 0 and model.unimem.passes.reads_attention_mask
+    said = [r.getMessage() for r in caplog.records if "reads its attention mask" in r.getMessage()]
+    assert len(said) == 1 and "KimiLinearForCausalLM" in said[0]

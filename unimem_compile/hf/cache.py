@@ -268,6 +268,10 @@ class UnifiedCache(Cache):
         self.chunked_prefill_end: int | None = None
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
+        #: set by the model's create_masks_for_generate (hf/masks.py) for a step whose full-attention mask is a
+        #: stand-in, cleared by the compiled forward: ``f(cache)`` builds transformers' masks for the step
+        #: (None: the step's mask is real)
+        self.stand_in_masks = None
         self.undone_steps = 0
         #: True for a cache over rows another owner frees (:meth:`over_rows`)
         self.borrowed = False

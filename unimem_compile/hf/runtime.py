@@ -8,6 +8,9 @@ patches the model INSTANCE (the class is untouched):
   unimem-backed ones;
 * ``model.prepare_inputs_for_generation`` first prepares the step eagerly (allocation, locations): it runs
   before every forward and before transformers builds the attention mask;
+* ``model.create_masks_for_generate`` (which transformers' ``prepare_inputs_for_generation`` calls) hands a
+  prefill step a stand-in for the full-attention mask no rewritten graph reads (:mod:`.masks`); should a
+  graph compiled for the step read it, the forward wrapper builds transformers' mask and runs the step again;
 * ``model.generate`` checks the call (:func:`~.generate_checks.check_generate_call`), runs transformers'
   generate on the call's cache with ``disable_compile=True`` (transformers must not compile ``__call__``
   behind our back) and the decode runner as its ``custom_generate`` (``handle.runner``, which
@@ -38,8 +41,10 @@ import torch
 
 from .. import env
 from ..errors import PoolExhausted, UnsupportedModel
+from ..passes.manager import StandInRead
 from ..pool import PageTables, UnifiedPool
 from ..pool.staging import StagedUpload
+from . import masks
 from .adapters import ModelAdapter
 from .cache import UnifiedCache
 from .generate_checks import UNSUPPORTED_OUTPUTS, GenerateCall, check_generate_call, check_outputs
@@ -344,6 +349,7 @@ def install(model, handle: UnimemHandle, compiled_forward) -> None:
     ``torch.compile``'d forward of this model."""
     model.forward = _forward(model, handle, compiled_forward)
     model.prepare_inputs_for_generation = _prepare_inputs_for_generation(model, handle)
+    masks.install(model, handle)
     model.generate = _generate(model, handle)
     model.unimem = handle
 
@@ -374,9 +380,22 @@ def _forward(model, handle: UnimemHandle, compiled):
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
-        kwargs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
-        with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args, **kwargs)
+        inputs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
+        try:
+            with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                try:
+                    return compiled(*args, **inputs)
+                except torch._dynamo.exc.BackendCompilerFailed as e:
+                    # a graph compiled for this step reads its stand-in mask (a rewrite refused an attention
+                    # site): nothing ran, and the pass manager turned stand-ins off for this model
+                    if masks.stand_in_of(cache) is None or not isinstance(e.inner_exception, StandInRead):
+                        raise
+                masks.stand_in_read(handle)
+                inputs = prepare_step_inputs(masks.with_real_masks(kwargs), cache)
+                return compiled(*args, **inputs)
+        finally:
+            if isinstance(cache, UnifiedCache):
+                cache.stand_in_masks = None
 
     return forward
 
