@@ -530,12 +530,87 @@ def _overridden(override):
     return env.overridden(*override) if override is not None else contextlib.nullcontext()
 
 
+def burst_prompts(n: int, vocab: int, seed: int = 0, max_tokens: int = 2048) -> list[list[int]]:
+    """``n`` random prompts whose lengths follow bench_serving's chat trace (lognormal, median 1024 tokens, sigma
+    1.0, clipped to 64..), clipped to ``max_tokens``; below 2048 every length scales by ``max_tokens / 2048``
+    (a CPU smoke run). Seeded."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    scale = min(1.0, max_tokens / 2048)
+    lengths = np.clip(rng.lognormal(math.log(1024 * scale), 1.0, n), max(1, 64 * scale), max_tokens).astype(np.int64)
+    return [rng.integers(3, vocab, int(k)).tolist() for k in lengths]
+
+
+def engine_burst(model, prompts: list[list[int]], budget: int, rows: int) -> dict:
+    """Every prompt of ``prompts`` submitted at once to a new continuous-batching manager (``max_prefill_tokens
+    = budget``, ``max_prefill_rows = rows``), stepped on this thread until each has its first token
+    (``max_new_tokens = 1``). Returns ``{"wall_ms", "ttft_ms": [per prompt, from submission], "forwards",
+    "packed_forwards", "packed_rows", "prefill_pads", "failed"}``."""
+    device = model.unimem.pool.device
+    manager = model.init_continuous_batching(max_prefill_tokens=budget, max_prefill_rows=rows)
+    _sync(device)
+    t0 = time.perf_counter()
+    ids = manager.add_requests(prompts, max_new_tokens=1, record_timestamps=True)
+    while manager.step():
+        pass
+    wall = time.perf_counter() - t0
+    results = {}
+    while (out := manager.get_result(timeout=0)) is not None:
+        if out.is_finished():
+            results[out.request_id] = out
+    c = manager.engine.counters
+    return {"wall_ms": 1e3 * wall,
+            "ttft_ms": [1e3 * (results[i].timestamps[0] - t0) if results[i].timestamps else None for i in ids],
+            "forwards": c["prefill_chunks"], "packed_forwards": c["packed_forwards"], "packed_rows": c["packed_rows"],
+            "prefill_pads": c["prefill_pads"], "failed": c["failed"]}
+
+
+def burst_level(args, models: dict, result: dict) -> None:
+    """``--engine-burst N``: the engine's prefill of N chat-length prompts arriving together, with packing
+    (``--burst-rows``) and without (1 row per forward), on each compiled system; interleaved repeats after one
+    warm-up burst of each (the same prompts: the same shapes, so no compile is timed; counted anyway)."""
+    budget = args.burst_budget
+    out = {"prompts": args.engine_burst, "budget": budget, "rows": args.burst_rows,
+           "max_tokens": args.burst_max_tokens, "repeats": args.repeats, "systems": {}}
+    for system, model in models.items():
+        if system == "stock" or "[" in system:
+            continue
+        prompts = burst_prompts(args.engine_burst, model.config.vocab_size, max_tokens=args.burst_max_tokens)
+        out["prompt_tokens"] = sum(map(len, prompts))
+        settings = {"packed": args.burst_rows, "one_row": 1}
+        for rows in settings.values():  # warm-up: compiles, the chunk_kda captures
+            engine_burst(model, prompts, budget, rows)
+        graphs = _graphs(model)
+        runs = {name: [] for name in settings}
+        for _ in range(args.repeats):
+            for name, rows in settings.items():
+                runs[name].append(engine_burst(model, prompts, budget, rows))
+        rec = {"graphs_compiled_in_timed_runs": _graphs(model) - graphs}
+        for name, rs in runs.items():
+            best = min(rs, key=lambda r: r["wall_ms"])
+            ttft = sorted(t for t in best["ttft_ms"] if t is not None)
+            rec[name] = {"wall_ms": [r["wall_ms"] for r in rs], "best_wall_ms": best["wall_ms"],
+                         "median_wall_ms": statistics.median(r["wall_ms"] for r in rs),
+                         "ttft_mean_ms": statistics.fmean(ttft), "ttft_p50_ms": ttft[len(ttft) // 2],
+                         "ttft_max_ms": ttft[-1], **{k: best[k] for k in ("forwards", "packed_forwards",
+                                                                         "packed_rows", "prefill_pads", "failed")}}
+            print(f"burst {system} {name}: {args.engine_burst} prompts ({out['prompt_tokens']} tokens) in "
+                  f"{best['wall_ms']:.1f} ms (median {rec[name]['median_wall_ms']:.1f}), TTFT mean "
+                  f"{rec[name]['ttft_mean_ms']:.1f} / max {ttft[-1]:.1f} ms, {best['forwards']} forwards "
+                  f"({best['packed_forwards']} packed)")
+        rec["speedup_wall"] = rec["one_row"]["best_wall_ms"] / rec["packed"]["best_wall_ms"]
+        rec["speedup_ttft_mean"] = rec["one_row"]["ttft_mean_ms"] / rec["packed"]["ttft_mean_ms"]
+        out["systems"][system] = rec
+    result["engine_burst"] = out
+
+
 def model_level(args) -> dict:
     """Whole-model chunked prefills, three systems (module docstring); returns the JSON record."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = sorted(args.rows or MODEL_ROWS)
-    max_seq_len = max(rows) + 16
+    max_seq_len = max(rows + ([args.burst_max_tokens] if args.engine_burst else [])) + 16
     start = time.perf_counter()
     ceiling = _matmul_ceiling(device, dtype)
     result = {
@@ -560,7 +635,8 @@ def model_level(args) -> dict:
     models = {}
     for system in args.systems:
         t = time.perf_counter()
-        model = _build(system, args.model, device, dtype, max_seq_len, args.backend, args.batch)
+        rows_cap = max(args.batch, args.burst_rows if args.engine_burst else 1)  # the burst packs that many rows
+        model = _build(system, args.model, device, dtype, max_seq_len, args.backend, rows_cap)
         vocab = model.config.vocab_size
         warm = torch.randint(3, vocab, (args.batch, min(2 * args.chunk, max(rows))),
                              generator=torch.Generator().manual_seed(1))
@@ -577,6 +653,11 @@ def model_level(args) -> dict:
             variant = f"{system}[{name}={value}]"
             models[variant], overrides[variant] = models[system], (name, value)
             result["systems"][variant] = {**result["systems"][system], "environment": {name: value}}
+    if args.engine_burst:
+        burst_level(args, models, result)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     print(f"matmul ceiling {ceiling:.3g} TFLOP/s ({dtype}); max_seq_len {max_seq_len}")
     print(f"{'tokens':>7} {'system':>9} {'ms':>10} {'tokens/s':>10} {'x bound':>8} {'peak GiB':>9}")
     last: dict[str, tuple[int, float]] = {}
@@ -681,6 +762,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-env", default=None, metavar="NAME=VALUE",
                     help="model level: also time every system with the environment variable NAME set to "
                          "VALUE (the same model, its runs interleaved with the system's), e.g. UNIMEM_STAND_IN_MASKS=0")
+    ap.add_argument("--engine-burst", type=int, default=0, metavar="N",
+                    help="model level: first time the continuous-batching engine's prefill of N chat-length prompts "
+                         "(64..--burst-max-tokens tokens) submitted together, packed (--burst-rows) and one per forward")
+    ap.add_argument("--burst-rows", type=int, default=8, help="model level: max_prefill_rows of the packed burst")
+    ap.add_argument("--burst-budget", type=int, default=4096, help="model level: max_prefill_tokens of the burst")
+    ap.add_argument("--burst-max-tokens", type=int, default=2048, help="model level: the burst's longest prompt")
     ap.add_argument("--device", default="cuda", help="model level: cuda or cpu")
     ap.add_argument("--backend", default="inductor", help="model level: the inner torch.compile backend")
     ap.add_argument("--repeats", type=int, default=2, help="model level: timed runs per row and system (best)")

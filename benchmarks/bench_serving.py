@@ -107,6 +107,7 @@ import tempfile
 import threading
 import time
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -293,7 +294,8 @@ def run_engine(model, system: str, trace: list[dict], args, share: float | None 
     vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed + 1)
     manager = model.init_continuous_batching(memory=memory_for(model, system, share),
-                                             max_prefill_tokens=args.max_prefill_tokens)
+                                             max_prefill_tokens=args.max_prefill_tokens,
+                                             max_prefill_rows=args.max_prefill_rows)
     lay = model.unimem.pool.layout
     timeline = {"t": [], "running": [], "waiting": [], "kv_bytes": [], "state_bytes": [], "generated": []}
     stop = threading.Event()
@@ -697,22 +699,37 @@ FLA_L2NORM_ROWS_PER_BUCKET = 2048 * 32
 WARM_UP_NEW_TOKENS = 2
 
 
-def prefill_variants(T: int, start: int, *, kda_heads: int, workspace_tokens: int, arch: int | None = 90) -> set:
-    """What one engine prefill chunk of ``T`` tokens, stored after the first ``start`` tokens of its request,
-    makes the process compile, as ``(what, variant)`` pairs (a chunk whose pairs were all seen before
-    compiles nothing new).
+class Chunk(NamedTuple):
+    """One prefill forward of the engine: ``rows`` requests (1, or a pack of whole prompts) of ``T`` tokens
+    each (the pack's longest prompt; shorter ones left-padded: ``padded``), after ``start`` stored tokens."""
+
+    T: int
+    start: int
+    rows: int = 1
+    padded: bool = False
+
+
+def prefill_variants(T: int, start: int, *, kda_heads: int, workspace_tokens: int, arch: int | None = 90,
+                     rows: int = 1, padded: bool = False) -> set:
+    """What one engine prefill forward of ``rows`` x ``T`` tokens, stored after the first ``start`` tokens of
+    its request(s), makes the process compile, as ``(what, variant)`` pairs (a forward whose pairs were all seen
+    before compiles nothing new).
 
     * ``graph``: the Dynamo graph. ``T = 1`` runs the decode form (``mla_absorb``, transformers' recurrent
       KDA and conv update), ``T >= 2`` the prefill graph with a symbolic T (``hf/step_inputs.py``); a first
-      chunk (``start = 0``) is transformers' first-prefill form (no mask), a later one the masked form.
-    * ``mla_kv_write``: the write kernel's tokens per program (``ops/mla_write._block_t``; T itself is not
-      specialised).
+      chunk (``start = 0``) is transformers' first-prefill form (no mask), a later one the masked form. A pack
+      (``rows >= 2``, ``Engine._prefill_packed``) is a first step with a 2-D mask, a stand-in 4-D one where
+      ``padded`` (else transformers' mask-free form), and a batch dimension Dynamo specialises at its first
+      size and makes dynamic at its second: the class ``2`` (the warm-up's first pack size) or ``3+``.
+    * ``mla_kv_write``: the write kernel's tokens per program (``ops/mla_write._block_t`` of the forward's
+      ``rows x T`` tokens; T itself is not specialised).
     * ``mla_prefill`` (``T >= 2``): the attention kernel's query tile (``ops/mla_prefill._tiles`` for
       ``arch``, 10 x major + minor, None: the interpreter) and whether the history ``start + T`` spans
       more than one workspace piece (a running fp32 output: another pointer type, another kernel).
-    * ``fla_l2norm`` (``T >= 2``, where fla is installed): its autotune bucket NB for ``T x kda_heads`` rows.
+    * ``fla_l2norm`` (``T >= 2``, where fla is installed): its autotune bucket NB for ``rows x T x kda_heads``.
     * ``kda_graph`` (``T >= 2``, where fla is installed): the bucket of ``ops/kda_graphs`` whose ``chunk_kda``
-      graph the chunk replays, captured at its first use (None: past the largest bucket, fla eager).
+      graph the forward replays (one per rows x bucket), captured at its first use (None: past the largest
+      bucket, fla eager).
 
     Everything else a chunk launches is specialised on sizes a serving run never changes (head counts,
     strides, the layer), or on nothing (fla's chunk kernels take T unspecialised and autotune on head dims).
@@ -720,43 +737,75 @@ def prefill_variants(T: int, start: int, *, kda_heads: int, workspace_tokens: in
     from unimem_compile.ops import kda_graphs, mla_prefill as prefill_op, mla_write
 
     first = "first" if start == 0 else "later"
-    out = {("graph", f"{'one-token' if T == 1 else 'chunk'} {first}"), ("mla_kv_write", mla_write._block_t(T))}
+    form = f"{'one-token' if T == 1 else 'chunk'} {first}"
+    if rows >= 2:
+        form = f"{'one-token' if T == 1 else 'chunk'} packed {'2' if rows == 2 else '3+'}" + (" padded" * padded)
+    out = {("graph", form), ("mla_kv_write", (rows, mla_write._block_t(rows * T)))}
     if T >= 2:
         out.add(("mla_prefill", (prefill_op._tiles(arch, T)["block_m"], start + T > workspace_tokens)))
-        out.add(("fla_l2norm", -(-T * kda_heads // FLA_L2NORM_ROWS_PER_BUCKET)))
-        out.add(("kda_graph", kda_graphs.bucket_for(1, T)))  # the chunk_kda graph it replays (None: eager fla)
+        out.add(("fla_l2norm", -(-rows * T * kda_heads // FLA_L2NORM_ROWS_PER_BUCKET)))
+        out.add(("kda_graph", (rows, kda_graphs.bucket_for(rows, T))))  # its chunk_kda graph (None: eager fla)
     return out
 
 
-def reachable_variants(budget: int, max_prompt: int, **kw) -> set:
+def chunk_variants(chunk: Chunk, **kw) -> set:
+    """:func:`prefill_variants` of one :class:`Chunk`."""
+    return prefill_variants(chunk.T, chunk.start, rows=chunk.rows, padded=chunk.padded, **kw)
+
+
+def reachable_variants(budget: int, max_prompt: int, max_rows: int = 1, **kw) -> set:
     """Every :func:`prefill_variants` pair a timed run can reach: chunks of 1..``budget`` tokens (a budget
     shared by several requests in a step cuts any length) after any stored prefix that leaves the chunk
     inside a prompt of at most ``max_prompt`` tokens (the variants depend on the prefix only through 0 and
-    the workspace, so the prefixes 0, 1 and the longest stand for all)."""
+    the workspace, so the prefixes 0, 1 and the longest stand for all); and packs of 2..``max_rows`` whole
+    prompts of up to ``budget // rows`` tokens, padded or not."""
     out = set()
     for T in range(1, min(budget, max_prompt) + 1):
         for start in {0, 1, max_prompt - T}:
             if start + T <= max_prompt:
                 out |= prefill_variants(T, start, **kw)
+    for rows in range(2, max_rows + 1):
+        for T in range(1, min(budget // rows, max_prompt) + 1):
+            for padded in {False, T >= 2}:
+                out |= prefill_variants(T, 0, rows=rows, padded=padded, **kw)
     return out
 
 
-def chunk_plan(prompts: list[int], budget: int) -> list[tuple[int, int]]:
-    """The ``(T, start)`` prefill chunks the engine runs for ``prompts`` (lengths) admitted together, oldest
-    first, ``budget`` tokens per step (``Engine._prefill``: each request in turn takes what is left of the
-    step's budget, up to its remaining prompt)."""
+def chunk_plan(prompts: list[int], budget: int, max_rows: int = 1) -> list[Chunk]:
+    """The prefill forwards (:class:`Chunk`) the engine runs for ``prompts`` (lengths) admitted together,
+    oldest first, ``budget`` tokens per step (``Engine._prefill``: each request in turn takes what is left of
+    the step's budget, up to its remaining prompt; the requests after one whose whole prompt fits join its
+    forward while ``rows x the longest <= what is left`` and rows <= ``max_rows``, and a request mid-prompt
+    stops the pack)."""
     done = [0] * len(prompts)
     chunks = []
     while any(d < n for d, n in zip(done, prompts)):
         left = budget
-        for i, n in enumerate(prompts):
-            if left <= 0:
-                break
-            if done[i] < n:
-                chunk = min(left, n - done[i])
-                chunks.append((chunk, done[i]))
-                done[i] += chunk
-                left -= chunk
+        order = [i for i, n in enumerate(prompts) if done[i] < n]
+        k = 0
+        while k < len(order) and left > 0:
+            i = order[k]
+            k += 1
+            rest = prompts[i] - done[i]
+            group, width = [i], rest
+            if done[i] == 0 and rest <= left:
+                while k < len(order) and len(group) < max_rows and done[order[k]] == 0:
+                    wider = max(width, prompts[order[k]])
+                    if wider * (len(group) + 1) > left:
+                        break
+                    group.append(order[k])
+                    width = wider
+                    k += 1
+            if len(group) > 1:
+                chunks.append(Chunk(width, 0, len(group), any(prompts[j] != width for j in group)))
+                for j in group:
+                    done[j] = prompts[j]
+                left -= width * len(group)
+                continue
+            chunk = min(left, rest)
+            chunks.append(Chunk(chunk, done[i]))
+            done[i] += chunk
+            left -= chunk
     return chunks
 
 
@@ -764,22 +813,27 @@ def group_for_chunk(T: int, start: int, budget: int) -> list[int]:
     """Prompt lengths admitted together whose :func:`chunk_plan` at ``budget`` runs a chunk of ``T`` tokens
     (``1 <= T <= budget``) after ``start`` stored ones: one prompt of ``start + T`` when ``start`` is a whole
     number of budgets; else a request of ``budget - start % budget`` tokens first, which leaves the second
-    ``start % budget`` tokens of the first step, so the second's chunks end at ``start``."""
+    ``start % budget`` tokens of the first step, so the second's chunks end at ``start``. (Packing needs
+    two prompts that fit the step together: ``budget - start % budget`` and ``start + T`` never do, as
+    ``start + T > start % budget``.)"""
     if start % budget == 0:
         return [start + T]
     return [budget - start % budget, start + T]
 
 
-def warm_up_groups(budget: int, max_prompt: int, **kw) -> list[list[int]]:
+def warm_up_groups(budget: int, max_prompt: int, max_rows: int = 1, **kw) -> list[list[int]]:
     """Prompt lengths to prefill before any timed run, in groups admitted together, whose chunks
-    (:func:`chunk_plan`) reach every variant of :func:`reachable_variants`.
+    (:func:`chunk_plan` with ``max_rows``) reach every variant of :func:`reachable_variants`.
 
     Per chunk length class (the shortest and the longest length of each set of :func:`prefill_variants`,
     so a specialisation on the length, were one left, sees both sides of 1 and of 16): the chunk as a
     first chunk, as a later one inside one workspace piece (after a budget's worth of tokens, or after
     one token where that would cross the piece), and as a later one whose history crosses the workspace
     (where ``max_prompt`` holds it). Then two budget splits: a request left one token of the step's
-    budget (a one-token first chunk of a longer prompt, then chunks after a one-token prefix)."""
+    budget (a one-token first chunk of a longer prompt, then chunks after a one-token prefix). Then packs,
+    2 rows first (the batch size Dynamo specialises), per rows and length class: ``rows`` prompts of the
+    class's length, and the same with the first one token shorter (padded). A group is admitted whole only
+    where the engine has that many decode rows (``max_rows`` is at most the model's ``max_batch_size``)."""
     workspace = kw["workspace_tokens"]
     by_class: dict[frozenset, list[int]] = {}
     for T in range(1, min(budget, max_prompt) + 1):
@@ -795,6 +849,16 @@ def warm_up_groups(budget: int, max_prompt: int, **kw) -> list[list[int]]:
     for tail in (1, budget):
         if budget >= 2 and 1 + tail <= max_prompt:
             groups.append([budget - 1, 1 + tail])
+    for rows in range(2, max_rows + 1):
+        packs: dict[frozenset, list[int]] = {}
+        for T in range(1, min(budget // rows, max_prompt) + 1):
+            key = frozenset(prefill_variants(T, 0, rows=rows, **kw) | prefill_variants(T, 0, rows=rows, padded=True,
+                                                                                         **kw))
+            packs.setdefault(key, []).append(T)
+        for T in sorted({t for ts in packs.values() for t in (ts[0], ts[-1])}):
+            groups.append([T] * rows)
+            if T >= 2:
+                groups.append([T - 1] + [T] * (rows - 1))
     # each group once, in order; none with a prompt the model could not hold (a budget above max_prompt)
     return [list(g) for g in dict.fromkeys(map(tuple, groups)) if max(g) <= max_prompt]
 
@@ -808,11 +872,12 @@ def warm_up(model, args) -> dict:
     kw = _variant_geometry(model)
     budget = args.max_prefill_tokens
     max_prompt = args.max_seq_len - WARM_UP_NEW_TOKENS
-    groups = warm_up_groups(budget, max_prompt, **kw)
+    max_rows = min(args.max_prefill_rows, model.unimem.max_batch_size)  # the engine's clamp
+    groups = warm_up_groups(budget, max_prompt, max_rows, **kw)
     planned = set()
     for group in groups:
-        for T, prefix in chunk_plan(group, budget):
-            planned |= prefill_variants(T, prefix, **kw)
+        for chunk in chunk_plan(group, budget, max_rows):
+            planned |= chunk_variants(chunk, **kw)
     vocab = model.config.vocab_size
     start = time.perf_counter()
     graphs_before = _compiled_graphs()
@@ -820,7 +885,7 @@ def warm_up(model, args) -> dict:
     with torch.no_grad(), TritonCompiles() as jit:
         model.unimem.capture()
         for group in groups:
-            manager = model.init_continuous_batching(max_prefill_tokens=budget)
+            manager = model.init_continuous_batching(max_prefill_tokens=budget, max_prefill_rows=max_rows)
             for n in group:
                 manager.add_request([1 + i % (vocab - 1) for i in range(n)], max_new_tokens=WARM_UP_NEW_TOKENS,
                                     min_new_tokens=WARM_UP_NEW_TOKENS)
@@ -828,11 +893,11 @@ def warm_up(model, args) -> dict:
                 pass
             failed += manager.engine.counters["failed"]  # a chunk that raised did not warm its variants
     return {"seconds": time.perf_counter() - start, "requests": sum(len(g) for g in groups), "failed": failed,
-            "chunks": sum(len(chunk_plan(g, budget)) for g in groups),
+            "chunks": sum(len(chunk_plan(g, budget, max_rows)) for g in groups), "max_prefill_rows": max_rows,
             "graphs_compiled": _compiled_graphs() - graphs_before,
             "triton_compiles": len(jit.names) if jit.available else None,
             "triton_kernels_compiled": dict(collections.Counter(jit.names)) if jit.available else None,
-            "uncovered": sorted(map(str, reachable_variants(budget, max_prompt, **kw) - planned))}
+            "uncovered": sorted(map(str, reachable_variants(budget, max_prompt, max_rows, **kw) - planned))}
 
 
 def _variant_geometry(model) -> dict:
@@ -951,6 +1016,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    from unimem_compile.engine import DEFAULT_MAX_PREFILL_ROWS
+
+    p.add_argument("--max-prefill-rows", type=int, default=DEFAULT_MAX_PREFILL_ROWS,
+                   help="requests one prefill forward packs at most (the engine's max_prefill_rows; 1: no packing)")
     p.add_argument("--sample-s", type=float, default=0.25, help="seconds between occupancy samples")
     p.add_argument("--drain-timeout-s", type=float, default=3600.0)
 

@@ -140,7 +140,8 @@ def run_http(model, trace: list[dict], args) -> dict:
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, r["prompt"]).tolist() for r in trace]
     codec = ByteCodec(vocab)
-    manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens)
+    manager = model.init_continuous_batching(max_prefill_tokens=args.max_prefill_tokens,
+                                             max_prefill_rows=args.max_prefill_rows)
     engine = ManagerEngine(manager, args.max_seq_len)
     with torch.no_grad():
         warm_up(engine, codec)

@@ -301,6 +301,26 @@ def test_prefill_model_level_ab_env_interleaves_a_variant_of_each_system(tmp_pat
         bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--systems", "stock", "--ab-env", "NOVALUE"])
 
 
+def test_prefill_engine_burst_packs_and_records_both_settings(tmp_path):
+    """--engine-burst: the continuous-batching engine's prefill of a burst, packed and one row per forward,
+    on the tiny model compiled for the CPU (aot_eager): both settings serve every prompt, packing uses fewer
+    forwards, the pads are counted, and no compile falls into the timed bursts."""
+    bench = _script("bench_mla_prefill")
+    out = tmp_path / "burst.json"
+    assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--backend", "aot_eager", "--rows", "20",
+                       "--chunk", "16", "--systems", "unimem", "--repeats", "1", "--engine-burst", "6",
+                       "--burst-rows", "3", "--burst-budget", "64", "--burst-max-tokens", "24",
+                       "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["engine_burst"]
+    assert rec["prompts"] == 6 and rec["rows"] == 3 and 6 <= rec["prompt_tokens"] <= 6 * 24
+    burst = rec["systems"]["unimem"]
+    packed, one = burst["packed"], burst["one_row"]
+    assert packed["failed"] == one["failed"] == 0 and burst["graphs_compiled_in_timed_runs"] == 0
+    assert one["forwards"] >= 6 and one["packed_forwards"] == one["packed_rows"] == one["prefill_pads"] == 0
+    assert 0 < packed["packed_forwards"] <= packed["forwards"] < one["forwards"] and packed["packed_rows"] >= 2
+    assert packed["ttft_max_ms"] >= packed["ttft_p50_ms"] > 0
+
+
 def test_serving_traces_follow_their_definition():
     """bench_serving's traces (no model): counts, clips, the phased structure, --scale at the same rate."""
     bench = _script("bench_serving")
@@ -352,24 +372,30 @@ _GPU_KW = dict(kda_heads=32, workspace_tokens=8192, arch=90)
 _SMOKE_KW = dict(kda_heads=4, workspace_tokens=8192, arch=90)
 
 
-def _planned(bench, groups, budget, kw):
-    return {v for g in groups for T, start in bench.chunk_plan(g, budget)
-            for v in bench.prefill_variants(T, start, **kw)}
+def _planned(bench, groups, budget, kw, max_rows=1):
+    return {v for g in groups for chunk in bench.chunk_plan(g, budget, max_rows)
+            for v in bench.chunk_variants(chunk, **kw)}
 
 
-@pytest.mark.parametrize("budget, max_prompt, kw", [(4096, 96 * 1024 + 510, _GPU_KW), (32, 158, _SMOKE_KW),
-                                                    (3000, 20000, _GPU_KW), (1000, 9000, dict(_GPU_KW, arch=80)),
-                                                    (10000, 30000, _GPU_KW), (10000, 9000, _GPU_KW)])
-def test_serving_warm_up_reaches_every_kernel_variant_a_timed_run_can(budget, max_prompt, kw):
+@pytest.mark.parametrize("budget, max_prompt, kw, max_rows", [
+    (4096, 96 * 1024 + 510, _GPU_KW, 1), (4096, 96 * 1024 + 510, _GPU_KW, 8), (32, 158, _SMOKE_KW, 1),
+    (32, 158, _SMOKE_KW, 4), (3000, 20000, _GPU_KW, 1), (1000, 9000, dict(_GPU_KW, arch=80), 3),
+    (10000, 30000, _GPU_KW, 1), (10000, 9000, _GPU_KW, 2)])
+def test_serving_warm_up_reaches_every_kernel_variant_a_timed_run_can(budget, max_prompt, kw, max_rows):
     """bench_serving's warm-up plan: its chunks reach every (kernel, variant) any chunk of a timed run reaches
-    (any length up to the budget, after any prefix), and every prompt fits."""
+    (any length up to the budget, after any prefix; packs of up to max_rows whole prompts), and every prompt
+    fits."""
     bench = _script("bench_serving")
-    groups = bench.warm_up_groups(budget, max_prompt, **kw)
+    groups = bench.warm_up_groups(budget, max_prompt, max_rows, **kw)
     assert groups and all(max(g) <= max_prompt for g in groups)
-    reachable = bench.reachable_variants(budget, max_prompt, **kw)
-    assert reachable - _planned(bench, groups, budget, kw) == set()
+    reachable = bench.reachable_variants(budget, max_prompt, max_rows, **kw)
+    assert reachable - _planned(bench, groups, budget, kw, max_rows) == set()
     kinds = {what for what, _ in reachable}
     assert kinds == {"graph", "mla_kv_write", "mla_prefill", "fla_l2norm", "kda_graph"}
+    packed = {v for what, v in reachable if what == "graph" and "packed" in v}
+    assert bool(packed) == (max_rows > 1)
+    if max_rows > 2:  # the batch size Dynamo specialises (2) and the dynamic one, padded or not
+        assert {"chunk packed 2", "chunk packed 2 padded", "chunk packed 3+", "chunk packed 3+ padded"} <= packed
 
 
 def test_serving_old_warm_up_missed_what_the_2026_12_02_timed_runs_compiled():
@@ -379,8 +405,8 @@ def test_serving_old_warm_up_missed_what_the_2026_12_02_timed_runs_compiled():
     bench = _script("bench_serving")
     missed = bench.reachable_variants(4096, 96 * 1024 + 510, **_GPU_KW) - _planned(
         bench, [[3 * 4096 + 1, 1, 2051]], 4096, _GPU_KW)
-    assert {("fla_l2norm", 1), ("mla_prefill", (32, False)), ("mla_prefill", (64, False)), ("mla_kv_write", 2),
-            ("mla_kv_write", 4)} <= missed
+    assert {("fla_l2norm", 1), ("mla_prefill", (32, False)), ("mla_prefill", (64, False)), ("mla_kv_write", (1, 2)),
+            ("mla_kv_write", (1, 4))} <= missed
 
 
 def test_serving_prefill_variants_follow_the_kernels_boundaries():
@@ -397,8 +423,15 @@ def test_serving_prefill_variants_follow_the_kernels_boundaries():
     assert get(100, 8092, "mla_prefill") == [(128, False)] and get(100, 8093, "mla_prefill") == [(128, True)]
     assert get(1, 0, "mla_prefill") == [] and get(1, 0, "graph") == ["one-token first"]
     assert get(7, 3, "graph") == ["chunk later"]
-    assert [get(T, 0, "kda_graph") for T in (2, 64, 65, 4096, 4097)] == [[64], [64], [128], [4096], [None]]
+    assert [get(T, 0, "kda_graph") for T in (2, 64, 65, 4096, 4097)] == [[(1, 64)], [(1, 64)], [(1, 128)],
+                                                                         [(1, 4096)], [(1, None)]]
     assert get(1, 0, "kda_graph") == []  # one token: the recurrent decode form
+    # a pack of rows x T: the write kernel, fla's l2norm and the chunk_kda graph see rows x T tokens
+    packed = dict(bench.prefill_variants(512, 0, rows=4, padded=True, **_GPU_KW))
+    assert packed["graph"] == "chunk packed 3+ padded" and packed["mla_kv_write"] == (4, 8)
+    assert packed["fla_l2norm"] == 1 and packed["kda_graph"] == (4, 512) and packed["mla_prefill"] == (128, False)
+    assert dict(bench.prefill_variants(2048, 0, rows=2, **_GPU_KW))["kda_graph"] == (2, 2048)
+    assert dict(bench.prefill_variants(2049, 0, rows=2, **_GPU_KW))["kda_graph"] == (2, None)  # 2 x 4096 > 4096
 
 
 def test_serving_chunk_plan_splits_the_budget_as_the_engine_does():
@@ -406,17 +439,31 @@ def test_serving_chunk_plan_splits_the_budget_as_the_engine_does():
     the one before left of the step), and on random groups: each prompt's chunks tile it, in order, and no
     step exceeds the budget."""
     bench = _script("bench_serving")
-    assert bench.chunk_plan([31, 48], 32) == [(31, 0), (1, 0), (32, 1), (15, 33)]
-    assert bench.chunk_plan([30, 7], 32) == [(30, 0), (2, 0), (5, 2)]
-    assert bench.chunk_plan([39], 32) == [(32, 0), (7, 32)]
+    assert bench.chunk_plan([31, 48], 32) == [(31, 0, 1, False), (1, 0, 1, False), (32, 1, 1, False),
+                                              (15, 33, 1, False)]
+    assert bench.chunk_plan([30, 7], 32) == [(30, 0, 1, False), (2, 0, 1, False), (5, 2, 1, False)]
+    assert bench.chunk_plan([39], 32) == [(32, 0, 1, False), (7, 32, 1, False)]
+    # packing (recorded from Engine._prefill_chunk / _prefill_packed on kimi-linear-tiny, 8 rows, 2026-12-03):
+    # whole prompts join the first one's forward while rows x the longest fits what is left of the step
+    assert bench.chunk_plan([5, 12, 7, 9, 3, 11], 40, 8) == [(12, 0, 3, True), (4, 0, 1, False), (5, 4, 1, False),
+                                                             (11, 0, 2, True)]
+    assert bench.chunk_plan([30, 7, 7, 8, 2], 32, 8) == [(30, 0, 1, False), (2, 0, 1, False), (5, 2, 1, False),
+                                                         (8, 0, 3, True)]
+    assert bench.chunk_plan([20, 20, 20], 64, 8) == [(20, 0, 3, False)]
+    assert bench.chunk_plan([20, 20, 20], 64, 2) == [(20, 0, 2, False), (20, 0, 1, False)]
     rng = np.random.default_rng(0)
     for _ in range(50):
         budget = int(rng.integers(1, 64))
         prompts = rng.integers(1, 200, int(rng.integers(1, 5))).tolist()
-        chunks = bench.chunk_plan(prompts, budget)
-        assert sum(T for T, _ in chunks) == sum(prompts) and all(1 <= T <= budget for T, _ in chunks)
-        starts = sorted({s for _, s in chunks})
-        assert starts[0] == 0
+        max_rows = int(rng.integers(1, 5))
+        chunks = bench.chunk_plan(prompts, budget, max_rows)
+        if max_rows == 1:  # each prompt's chunks tile it
+            assert sum(c.T for c in chunks) == sum(prompts)
+        assert sum(c.rows * c.T for c in chunks) >= sum(prompts)  # pads on top of every prompt token
+        assert sum(c.rows for c in chunks if c.rows > 1) <= len(prompts)
+        assert all(1 <= c.rows <= max_rows and c.rows * c.T <= budget for c in chunks)
+        assert all(c.start == 0 for c in chunks if c.rows > 1)
+        assert min(c.start for c in chunks) == 0
 
 
 def test_serving_marks_a_run_that_compiled_as_confounded_and_warns_in_the_ratios():

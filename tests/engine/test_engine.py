@@ -197,8 +197,8 @@ def test_a_row_grows_only_by_the_tokens_it_has_left(pair):
     results = drain(manager)
     assert manager.engine.counters["preemptions"] == 0
     assert manager.engine.counters["peak_rows"] == 2
-    c = manager.engine.counters  # one forward per prompt, nothing preempted: exact counts
-    assert (c["prefill_chunks"], c["prefill_tokens"]) == (2, 20)
+    c = manager.engine.counters  # both prompts packed into one forward, nothing preempted: exact counts
+    assert (c["prefill_chunks"], c["prefill_tokens"], c["packed_forwards"], c["prefill_pads"]) == (1, 20, 1, 0)
     assert c["step_s"] >= c["decode_s"] + c["prefill_s"] > 0
     assert results[a].generated_tokens == reference(stock, short, 2)
     assert results[b].generated_tokens == reference(stock, long_, 12)
@@ -587,7 +587,7 @@ def test_generate_batch_refuses_what_is_not_a_list_of_prompts(pair):
 def test_a_request_whose_step_raises_fails_alone(pair, monkeypatch):
     stock, model = pair
     ps = prompts([12, 8, 16], seed=8, vocab=model.config.vocab_size)
-    manager = model.init_continuous_batching()
+    manager = model.init_continuous_batching(max_prefill_rows=1)  # a forward per request (packing: the next test)
     engine = manager.engine
     original = engine._prefill_chunk
 
@@ -606,6 +606,59 @@ def test_a_request_whose_step_raises_fails_alone(pair, monkeypatch):
         assert results[rid].status == RequestStatus.FINISHED
         assert results[rid].generated_tokens == reference(stock, p, 6)
     assert engine.counters["failed"] == 1
+    assert_idle(model, manager)
+
+
+def test_short_prompts_share_one_prefill_forward(pair):
+    """Whole prompts that fit what is left of the step's budget share one left-padded forward (up to
+    max_prefill_rows of them, here the model's 2 rows): stock's tokens, the pads counted; max_prefill_rows=1
+    gives every prompt a forward of its own, with the same tokens."""
+    stock, model = pair
+    lengths = [5, 12, 7, 9, 3, 11]
+    batch = prompts(lengths, seed=17, vocab=model.config.vocab_size)
+    refs = [reference(stock, p, 6) for p in batch]
+    assert all(len(r) == 6 for r in refs)  # no EOS: the pairs below finish together, so they are admitted in pairs
+    for rows in (8, 1):
+        manager = model.init_continuous_batching(max_prefill_tokens=40, max_prefill_rows=rows)
+        ids = manager.add_requests(batch, max_new_tokens=6)
+        results = drain(manager)
+        for i, rid in enumerate(ids):
+            assert results[rid].status == RequestStatus.FINISHED and results[rid].generated_tokens == refs[i], rid
+        c = manager.engine.counters
+        assert c["prefill_tokens"] == sum(lengths)
+        if rows == 8:  # pairs (5, 12), (7, 9), (3, 11): each padded to its longer prompt
+            assert (c["prefill_chunks"], c["packed_forwards"], c["packed_rows"]) == (3, 3, 6)
+            assert c["prefill_pads"] == (12 - 5) + (9 - 7) + (11 - 3)
+        else:
+            assert (c["prefill_chunks"], c["packed_forwards"], c["packed_rows"], c["prefill_pads"]) == (6, 0, 0, 0)
+        assert_idle(model, manager)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="max_prefill_rows must be an int >= 1"):
+            model.init_continuous_batching(max_prefill_rows=bad)
+
+
+def test_a_packed_prefill_that_raises_fails_its_requests_and_the_others_go_on(pair, monkeypatch):
+    stock, model = pair
+    ps = prompts([12, 8, 16], seed=9, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching(max_prefill_tokens=30)  # 12 + 8 pack (24), 16 comes later
+    engine = manager.engine
+    original = engine._prefill_packed
+
+    def flaky(group, width):
+        if any(r.rid == "bad" for r in group):
+            raise RuntimeError("planted failure")
+        return original(group, width)
+
+    monkeypatch.setattr(engine, "_prefill_packed", flaky)
+    first = manager.add_request(ps[0], max_new_tokens=6)
+    manager.add_request(ps[1], request_id="bad", max_new_tokens=6)
+    last = manager.add_request(ps[2], max_new_tokens=6)
+    results = drain(manager)
+    for rid in (first, "bad"):
+        assert results[rid].status == RequestStatus.FAILED and "planted failure" in results[rid].error
+    assert results[last].status == RequestStatus.FINISHED
+    assert results[last].generated_tokens == reference(stock, ps[2], 6)
+    assert engine.counters["failed"] == 2
     assert_idle(model, manager)
 
 

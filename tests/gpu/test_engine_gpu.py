@@ -67,6 +67,27 @@ def test_rows_join_and_leave_captured_steps(pair):
     assert (s["kv_pages_used"], s["state_slots_used"]) == (0, 0)
 
 
+def test_packed_prefills_on_cuda(pair):
+    """Short prompts packed into one left-padded prefill forward (up to the model's 4 rows; Engine._prefill):
+    stock's tokens, some forwards padded."""
+    stock, model = pair
+    ps = _prompts([5, 12, 7, 9, 3, 11, 30, 16], seed=3, vocab=model.config.vocab_size)
+    manager = model.init_continuous_batching(max_prefill_tokens=48)
+    ids = [manager.add_request(p, max_new_tokens=10) for p in ps]
+    while manager.step():
+        pass
+    results = {}
+    while (r := manager.get_result(timeout=0)) is not None:
+        results[r.request_id] = r
+    c = manager.engine.counters
+    assert c["packed_forwards"] > 0 and c["packed_rows"] >= 2 * c["packed_forwards"] and c["prefill_pads"] > 0
+    for rid, p in zip(ids, ps):
+        assert results[rid].status == RequestStatus.FINISHED
+        assert results[rid].generated_tokens == _stock(stock, p, 10), rid
+    s = model.unimem.stats()
+    assert (s["kv_pages_used"], s["state_slots_used"]) == (0, 0)
+
+
 def test_preemption_on_cuda(pair):
     stock, model = pair
     ps = _prompts([30, 26, 20, 34], seed=2, vocab=model.config.vocab_size)

@@ -22,16 +22,16 @@ def _refuse(kwargs: dict, where: str) -> None:
     for name, default in _REFUSED.items():
         if name in kwargs and kwargs[name] != default:
             raise NotImplementedError(f"{where}({name}=...) is transformers' own continuous batching option; the "
-                                      f"unimem engine takes max_prefill_tokens, reserve_fraction, max_queue and memory "
-                                      f"instead (docs/engine.md)")
+                                      f"unimem engine takes max_prefill_tokens, max_prefill_rows, reserve_fraction, "
+                                      f"max_queue and memory instead (docs/engine.md)")
         kwargs.pop(name, None)
 
 
 def init_continuous_batching(model, generation_config=None, **kwargs) -> ContinuousBatchingManager:
     """A :class:`~.manager.ContinuousBatchingManager` for ``model`` (not started: ``start()`` it, or use it
-    as a context manager). Keywords: the manager's (``max_prefill_tokens``, ``reserve_fraction``,
-    ``max_queue``, ``memory``); transformers' ``continuous_batching_config`` / ``workload_hints`` are refused
-    by name."""
+    as a context manager). Keywords: the manager's (``max_prefill_tokens``, ``max_prefill_rows``,
+    ``reserve_fraction``, ``max_queue``, ``memory``); transformers' ``continuous_batching_config`` /
+    ``workload_hints`` are refused by name."""
     _refuse(kwargs, "init_continuous_batching")
     return ContinuousBatchingManager(model, generation_config, **kwargs)
 
@@ -43,8 +43,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
 
     Keywords: ``max_new_tokens`` (default: the generation config's), ``eos_token_id`` and the per-request
     settings of ``add_request`` (``seed``, ``stop_sequences``, ...: applied to every prompt alike), and the
-    manager's (``max_prefill_tokens``, ``reserve_fraction``, ``memory``). ``warmup`` is accepted and does
-    nothing (the runner builds its steps on first use). ``progress_bar``: a tqdm bar over the requests. An
+    manager's (``max_prefill_tokens``, ``max_prefill_rows``, ``reserve_fraction``, ``memory``). ``warmup`` is accepted
+    and does nothing (the runner builds its steps on first use). ``progress_bar``: a tqdm bar over the requests. An
     exception while it waits (Ctrl-C) cancels the requests still running, then propagates.
 
     Raises:
@@ -55,7 +55,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, recor
     inputs = _prompt_list(inputs, "generate_batch")
     if not inputs:
         return {}
-    manager_kwargs = {k: kwargs.pop(k) for k in ("max_prefill_tokens", "reserve_fraction", "memory") if k in kwargs}
+    names = ("max_prefill_tokens", "max_prefill_rows", "reserve_fraction", "memory")
+    manager_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     manager = ContinuousBatchingManager(model, generation_config, **manager_kwargs)
     ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps, **kwargs)

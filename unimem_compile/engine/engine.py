@@ -17,7 +17,14 @@ parts):
 4. prefill: admitted requests' prompts in chunks, oldest first, at most ``max_prefill_tokens`` tokens per
    step in total (each chunk one forward of the compiled model over a one-row cache on the request's own
    pages, :meth:`~unimem_compile.hf.cache.UnifiedCache.over_rows`); a request whose prompt is complete takes
-   its first token from the last chunk's logits and joins the decode rows.
+   its first token from the last chunk's logits and joins the decode rows. Packing: consecutive requests
+   (in that order) whose whole prefill is still ahead and fits the step share ONE forward, up to
+   ``max_prefill_rows`` of them, left-padded to the longest (:meth:`~unimem_compile.hf.cache.UnifiedCache.
+   over_packed_rows`, a left-padded first step as in ``generate()``), while rows x the longest prompt stays
+   within what is left of the budget (pads count: they are computed). A forward's host cost hardly depends
+   on its tokens up to a few thousand (H200, 4-layer real geometry: one row of 1,024 tokens 14.5-22 ms, four
+   in one forward 20.3 ms; benchmarks/RESULTS.md, 2026-12-03), so short prompts reach their first token
+   several times sooner under load. A packed forward that raises fails every request in it.
 
 Rows of different lengths share one step through left pads: every live row's tokens end at the batch's
 logical length ``L`` (``left_pads = L - kv_len``), which is the step's query position; pads are masked as in
@@ -44,7 +51,8 @@ from ..runner.sampling import decode_step
 from .memory import PoolMemory
 from .scheduler import Scheduler
 
-__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_RESERVE_FRACTION", "Engine", "EngineRequest", "Phase"]
+__all__ = ["DEFAULT_MAX_PREFILL_ROWS", "DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_RESERVE_FRACTION", "Engine",
+           "EngineRequest", "Phase"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,12 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 """Prompt tokens one engine step prefills at most, over every prefilling request (a request's chunk ends
 there and continues next step). Larger: a long prompt reaches its first token in fewer steps, but every
 step's decode rows wait longer for their next block (TPOT); smaller: the opposite."""
+
+DEFAULT_MAX_PREFILL_ROWS = 8
+"""Requests one prefill forward packs at most (each a whole prompt that fits the step's budget; module
+docstring). 1: every chunk is a forward of its own. Each number of rows above 1 is another input shape for
+the compiled prefill graph (Dynamo makes the batch dimension dynamic at its second size) and for the KDA
+chunk graphs (``ops/kda_graphs``: one per rows x bucket)."""
 
 DEFAULT_RESERVE_FRACTION = 0.01
 """Share of the arena kept free at admission for the running requests' growth (waived while nothing runs)."""
@@ -116,18 +130,23 @@ class Engine:
             :class:`~.memory.QuotaMemory` for a static split).
         max_prefill_tokens: prompt tokens prefilled per step (:data:`DEFAULT_MAX_PREFILL_TOKENS`).
         reserve_fraction: the admission reserve (:data:`DEFAULT_RESERVE_FRACTION`).
+        max_prefill_rows: requests one prefill forward packs at most (:data:`DEFAULT_MAX_PREFILL_ROWS`; the
+            model's ``max_batch_size`` bounds it too).
 
     Every method runs on one thread (the manager's loop); :meth:`step` takes the generate lock.
 
     Raises:
         UnsupportedModel: a model without the decode runner, or compiled with ``tensor_parallel=True``.
-        GeometryError: a memory system over another pool. ValueError: ``max_prefill_tokens`` < 1.
+        GeometryError: a memory system over another pool. ValueError: ``max_prefill_tokens`` or
+            ``max_prefill_rows`` < 1.
 
     Attributes:
         scheduler: the :class:`~.scheduler.Scheduler`. rows: the decoding requests, row ``i`` = ``rows[i]``.
         counters: ``steps``, ``step_s`` (seconds inside :meth:`step`, all of its parts), ``decode_steps``,
             ``decode_row_steps`` (rows x steps), ``decode_s`` (seconds in decode blocks, readback included),
-            ``prefill_tokens``, ``prefill_chunks`` (model forwards of prefill), ``prefill_s`` (seconds of prefill
+            ``prefill_tokens``, ``prefill_chunks`` (model forwards of prefill), ``packed_forwards`` (of those, the
+            forwards that packed several requests), ``packed_rows`` (requests prefilled in them), ``prefill_pads``
+            (pad tokens those forwards computed), ``prefill_s`` (seconds of prefill
             chunks: only a chunk that ends a prompt synchronises, so the others' time is their launch),
             ``generated_tokens``, ``preemptions``, ``refusals`` (steps whose queue head found no room),
             ``refused_with_room`` (of those, the ones while the whole arena's free bytes could hold the request),
@@ -136,7 +155,7 @@ class Engine:
     """
 
     def __init__(self, model, *, memory=None, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                 reserve_fraction: float = DEFAULT_RESERVE_FRACTION):
+                 reserve_fraction: float = DEFAULT_RESERVE_FRACTION, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS):
         handle = getattr(model, "unimem", None)
         if handle is None or handle.runner is None:
             raise UnsupportedModel("the engine needs a model compiled by unimem_compile.compile (with its decode "
@@ -153,7 +172,10 @@ class Engine:
         self.memory = PoolMemory(handle.pool) if memory is None else memory
         if self.memory.pools()[0] is not handle.pool:
             raise GeometryError("the engine's memory system must allocate from the model's own pool")
+        if isinstance(max_prefill_rows, bool) or not isinstance(max_prefill_rows, int) or max_prefill_rows < 1:
+            raise ValueError(f"max_prefill_rows must be an int >= 1, got {max_prefill_rows!r}")
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_rows = min(max_prefill_rows, handle.max_batch_size)
         self.scheduler = Scheduler(self.memory, reserve_fraction=reserve_fraction, max_running=handle.max_batch_size)
         self.rows: list[EngineRequest] = []
         self.page_size = handle.pool.layout.page_size
@@ -162,7 +184,8 @@ class Engine:
 
         self._cache_kwarg = _cache_kwarg(model)
         self.counters = dict(steps=0, step_s=0.0, decode_steps=0, decode_row_steps=0, decode_s=0.0,
-                             prefill_tokens=0, prefill_chunks=0, prefill_s=0.0, generated_tokens=0, preemptions=0,
+                             prefill_tokens=0, prefill_chunks=0, packed_forwards=0, packed_rows=0, prefill_pads=0,
+                             prefill_s=0.0, generated_tokens=0, preemptions=0,
                              refusals=0, refused_with_room=0, row_waits=0, finished=0, failed=0, cancelled=0,
                              peak_rows=0)
         self._cancel: list[EngineRequest] = []  # bound to the request objects, not their ids (ids are reused)
@@ -400,18 +423,41 @@ class Engine:
     def _prefill(self) -> list[EngineRequest]:
         budget = self.max_prefill_tokens
         touched = []
-        for req in list(self.scheduler.running):
-            if budget <= 0:
-                break
-            if req.phase == Phase.WAITING:  # admitted in this step
-                req.phase = Phase.PREFILL
-                req.prefill_ids = req.prompt + req.generated
-                req.prefilled = 0
-            if req.phase != Phase.PREFILL:
-                continue
-            chunk = min(budget, len(req.prefill_ids) - req.prefilled)
-            budget -= chunk
+        pending = [r for r in self.scheduler.running if r.phase in (Phase.WAITING, Phase.PREFILL)]
+        i = 0
+        while i < len(pending) and budget > 0:
+            req = pending[i]
+            i += 1
+            self._start_prefill(req)
+            rest = len(req.prefill_ids) - req.prefilled
+            group, width = [req], rest
+            if req.prefilled == 0 and rest <= budget:  # a whole prompt: the next ones may join its forward
+                while i < len(pending) and len(group) < self.max_prefill_rows:
+                    nxt = pending[i]
+                    if nxt.phase == Phase.PREFILL and nxt.prefilled:  # mid-prompt: it goes on alone, in order
+                        break
+                    wider = max(width, nxt.tokens)
+                    if wider * (len(group) + 1) > budget:
+                        break
+                    self._start_prefill(nxt)
+                    group.append(nxt)
+                    width = wider
+                    i += 1
             start = time.perf_counter()
+            if len(group) > 1:
+                budget -= width * len(group)
+                try:
+                    self._prefill_packed(group, width)
+                    self.counters["prefill_s"] += time.perf_counter() - start
+                except Exception as e:  # noqa: BLE001 - this forward's requests fail; the others go on
+                    logger.exception("engine: the packed prefill of requests %r raised", [r.rid for r in group])
+                    for r in group:
+                        if not r.finished:
+                            self._end(r, error=f"{type(e).__name__}: {e}")
+                touched += group
+                continue
+            chunk = min(budget, rest)
+            budget -= chunk
             try:
                 logits = self._prefill_chunk(req, chunk)
                 if logits is not None:
@@ -422,6 +468,43 @@ class Engine:
                 self._end(req, error=f"{type(e).__name__}: {e}")
             touched.append(req)
         return touched
+
+    @staticmethod
+    def _start_prefill(req: EngineRequest) -> None:
+        if req.phase == Phase.WAITING:  # admitted in this step (or an earlier one whose budget ran out)
+            req.phase = Phase.PREFILL
+            req.prefill_ids = req.prompt + req.generated
+            req.prefilled = 0
+
+    def _prefill_packed(self, group: list[EngineRequest], width: int) -> None:
+        """Prefill every request of ``group`` (each with its whole prefill ahead, at most ``width`` tokens) in one
+        forward of ``len(group)`` left-padded rows, each on its own pages and slot; each then joins the decode
+        rows with the first token of its row's logits."""
+        from ..hf.cache import UnifiedCache
+
+        n = len(group)
+        ids = torch.zeros((n, width), dtype=torch.int64)  # pads: token 0, masked
+        mask = torch.zeros((n, width), dtype=torch.int64)
+        for b, req in enumerate(group):
+            length = len(req.prefill_ids)
+            ids[b, width - length:] = torch.tensor(req.prefill_ids, dtype=torch.int64)
+            mask[b, width - length:] = 1
+        rows = [(self.memory.pages.get(r.rid, []), self.memory.slots.get(r.rid)) for r in group]
+        cache = UnifiedCache.over_packed_rows(self.handle, rows)
+        inputs = self.model.prepare_inputs_for_generation(ids.to(self.device), **{self._cache_kwarg: cache},
+                                                          use_cache=True, attention_mask=mask.to(self.device))
+        inputs["logits_to_keep"] = 1
+        out = self.model(**inputs, return_dict=True)
+        real = sum(len(r.prefill_ids) for r in group)
+        self.counters["prefill_tokens"] += real
+        self.counters["prefill_chunks"] += 1
+        self.counters["packed_forwards"] += 1
+        self.counters["packed_rows"] += n
+        self.counters["prefill_pads"] += n * width - real
+        logits = out.logits[:, -1]
+        for b, req in enumerate(group):
+            req.prefilled = len(req.prefill_ids)
+            self._join(req, logits[b:b + 1])
 
     def _prefill_chunk(self, req: EngineRequest, chunk: int):
         """Store the next ``chunk`` tokens of ``req``'s prefill; returns the logits after the last prompt

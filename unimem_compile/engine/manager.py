@@ -31,7 +31,8 @@ from ..errors import GeometryError, UnimemError
 from ..pool.allocator import as_int
 from ..runner.rng import draw_seeds
 from ..runner.rows import GenerationSettingError, RowSettings
-from .engine import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_RESERVE_FRACTION, Engine, EngineRequest, Phase
+from .engine import (DEFAULT_MAX_PREFILL_ROWS, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_RESERVE_FRACTION, Engine,
+                     EngineRequest, Phase)
 
 __all__ = ["ContinuousBatchingManager", "GenerationOutput", "QueueFull", "RequestStatus", "REQUEST_SETTINGS"]
 
@@ -92,24 +93,26 @@ class ContinuousBatchingManager:
             generation config fills what it leaves unset, then transformers' global defaults, as
             ``generate()`` does.
         max_prefill_tokens: prompt tokens prefilled per engine step (the per-step token budget).
+        max_prefill_rows: requests one prefill forward packs at most (short whole prompts; ``Engine``).
         reserve_fraction: share of the arena kept free at admission for running requests' growth.
         max_queue: waiting requests beyond which :meth:`add_request` raises :class:`QueueFull` (None: no limit).
         memory: the engine's memory system (default: the unified pool; ``QuotaMemory`` for a static split).
 
     Raises:
         ValueError: ``max_queue`` that is neither None nor an int >= 1; ``max_prefill_tokens`` /
-            ``reserve_fraction`` out of range (the engine's and the scheduler's checks).
+            ``max_prefill_rows`` / ``reserve_fraction`` out of range (the engine's and the scheduler's checks).
     """
 
     def __init__(self, model, generation_config=None, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                 reserve_fraction: float = DEFAULT_RESERVE_FRACTION, max_queue: int | None = None, memory=None):
+                 reserve_fraction: float = DEFAULT_RESERVE_FRACTION, max_queue: int | None = None, memory=None,
+                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS):
         # 0 or less would refuse every request with a QueueFull that says "retry later"
         if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1):
             raise ValueError(f"max_queue must be None (no limit) or an int >= 1, got {max_queue!r}")
         self.model = model
         self.generation_config = model.generation_config if generation_config is None else generation_config
         self.engine = Engine(model, memory=memory, max_prefill_tokens=max_prefill_tokens,
-                             reserve_fraction=reserve_fraction)
+                             reserve_fraction=reserve_fraction, max_prefill_rows=max_prefill_rows)
         self.max_queue = max_queue
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self._lock = threading.Lock()

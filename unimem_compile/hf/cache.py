@@ -312,6 +312,44 @@ class UnifiedCache(Cache):
         cache.buffers.resident = None  # another cache of one row may have been resident
         return cache
 
+    @classmethod
+    def over_packed_rows(cls, handle: UnimemHandle, rows: list[tuple[list[int], int | None]]) -> UnifiedCache:
+        """A cache of ``len(rows)`` fresh rows over memory another owner holds, for ONE left-padded prefill step
+        of whole prompts (the serving engine packs short prompts into one forward).
+
+        Args:
+            handle: the model's handle.
+            rows: per row ``(pages, slot)``: its virtual pages in token order, which must hold its prompt (the
+                cache never allocates for a borrowed row: a step that would need a page raises GeometryError),
+                and its virtual state slot (None for every row: a model without linear-attention layers).
+
+        The step brings ``[B, W]`` tokens with a ``[B, W]`` mask whose leading zeros are each row's left pads,
+        as ``generate()``'s first step of a left-padded batch; every row stores its own tokens from position
+        0 of its pages. The cache never frees the rows (the owner does).
+
+        Raises:
+            GeometryError: no rows, more than ``max_batch_size``, or slots given for some rows only.
+        """
+        if not rows:
+            raise GeometryError("over_packed_rows needs at least one row")
+        slots = [slot for _, slot in rows]
+        if any(s is None for s in slots) and any(s is not None for s in slots):
+            raise GeometryError(f"every packed row needs a state slot or none does, got {slots}")
+        cache = cls(handle, len(rows))
+        cache._orphan_watch.detach()
+        cache.borrowed = True
+        pt = cache.page_tables
+        if pt is not None:
+            for b, (pages, _) in enumerate(rows):
+                pt.rows[b] = list(pages)  # copies: the owner's lists are never extended nor emptied here
+                if pages:
+                    pt._host_table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            pt.sync()
+        if slots[0] is not None:
+            cache.slots[:] = [int(s) for s in slots]
+        cache.buffers.resident = None  # another cache of this batch size may have been resident
+        return cache
+
     def fingerprint(self) -> tuple:
         """What a step changes: (tokens cached, every row's stored length, the state slots). Equal before and
         after a failed generate() means the failure happened before any step touched the cache."""
@@ -499,8 +537,9 @@ class UnifiedCache(Cache):
     def _write_locations(self, new: int, new_lengths: list[int]) -> None:
         pt = self.page_tables
         if self.borrowed and pt.pages_needed(range(self.num_rows), new_lengths):
-            raise GeometryError(f"a borrowed row holds {len(pt.rows[0])} pages of {self.page_size} tokens, the step "
-                                f"needs {new_lengths[0]} tokens: its owner allocates, the cache does not")
+            row = next(b for b in range(self.num_rows) if pt.pages_needed([b], [new_lengths[b]]))
+            raise GeometryError(f"borrowed row {row} holds {len(pt.rows[row])} pages of {self.page_size} tokens, the "
+                                f"step needs {new_lengths[row]} tokens: its owner allocates, the cache does not")
         old = list(pt.lengths)
         pt.grow(range(self.num_rows), new_lengths)
         if new == 1 and all(n - o == 1 for n, o in zip(new_lengths, old)):
