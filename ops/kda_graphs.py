@@ -46,7 +46,7 @@ import torch
 
 from unimem_compile import env
 
-__all__ = ["BUCKETS", "MAX_GRAPH_TOKENS", "ChunkKDAGraphs", "GRAPHS", "bucket_for"]
+__all__ = ["BUCKETS", "MAX_GRAPH_BYTES", "MAX_GRAPH_TOKENS", "ChunkKDAGraphs", "GRAPHS", "bucket_for"]
 
 logger = logging.getLogger(__name__)
 

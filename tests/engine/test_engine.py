@@ -637,6 +637,36 @@ def test_short_prompts_share_one_prefill_forward(pair):
             model.init_continuous_batching(max_prefill_rows=bad)
 
 
+def test_a_packed_cache_refuses_rows_it_cannot_serve_and_stores_nothing(pair):
+    """UnifiedCache.over_packed_rows: no rows, or slots for some rows only, are refused; a row whose pages
+    cannot hold its prompt fails the step before anything is stored (the owner allocates, never the cache),
+    and the error names that row."""
+    from unimem_compile.engine import PoolMemory
+    from unimem_compile.hf.cache import UnifiedCache
+
+    _, model = pair
+    handle = model.unimem
+    with pytest.raises(GeometryError, match="at least one row"):
+        UnifiedCache.over_packed_rows(handle, [])
+    memory = PoolMemory(handle.pool)
+    memory.admit("a", 20)  # 2 pages of 16
+    memory.admit("b", 5)  # 1 page: too few for 20 tokens
+    try:
+        with pytest.raises(GeometryError, match="needs a state slot or none"):
+            UnifiedCache.over_packed_rows(handle, [(memory.pages["a"], memory.slots["a"]), (memory.pages["b"], None)])
+        cache = UnifiedCache.over_packed_rows(handle, [(memory.pages[r], memory.slots[r]) for r in "ab"])
+        ids = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+        before = handle.pool.arena.clone()
+        with pytest.raises(GeometryError, match="borrowed row 1 holds 1 pages of 16 tokens, the step needs 20"):
+            cache.prepare_step(ids, torch.ones(2, 20, dtype=torch.int64))
+        assert torch.equal(handle.pool.arena, before)
+        assert memory.pages["a"] and len(memory.pages["b"]) == 1  # the owner's lists untouched
+    finally:
+        memory.release("a")
+        memory.release("b")
+    assert_idle(model)
+
+
 def test_a_packed_prefill_that_raises_fails_its_requests_and_the_others_go_on(pair, monkeypatch):
     stock, model = pair
     ps = prompts([12, 8, 16], seed=9, vocab=model.config.vocab_size)

@@ -467,8 +467,8 @@ class UnifiedCache(Cache):
                 if self.page_tables is not None:
                     try:
                         self._write_locations(new, lengths)
-                    except Exception:  # the step fails as a whole: give the slots back
-                        if self.slots:
+                    except Exception:  # the step fails as a whole: give the slots back (not a borrowed row's)
+                        if self.slots and not self.borrowed:
                             self.pool.free_slots(self.slots)
                             self.slots.clear()
                         raise
