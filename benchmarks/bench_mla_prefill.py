@@ -764,7 +764,8 @@ def main(argv=None) -> int:
                          "VALUE (the same model, its runs interleaved with the system's), e.g. UNIMEM_STAND_IN_MASKS=0")
     ap.add_argument("--engine-burst", type=int, default=0, metavar="N",
                     help="model level: first time the continuous-batching engine's prefill of N chat-length prompts "
-                         "(64..--burst-max-tokens tokens) submitted together, packed (--burst-rows) and one per forward")
+                         "(64..--burst-max-tokens tokens) submitted together, packed (--burst-rows) and one per "
+                         "forward")
     ap.add_argument("--burst-rows", type=int, default=8, help="model level: max_prefill_rows of the packed burst")
     ap.add_argument("--burst-budget", type=int, default=4096, help="model level: max_prefill_tokens of the burst")
     ap.add_argument("--burst-max-tokens", type=int, default=2048, help="model level: the burst's longest prompt")
