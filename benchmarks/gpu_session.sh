@@ -11,7 +11,8 @@
 #   steps: gpu_tests (or its three slots gpu_tests_kernels gpu_tests_models gpu_tests_engine) runner_isolation
 #          bench_mla_write bench_kda kda_graphs_gpu bench_kda_prefill (ops/kda_graphs: the GPU tests, eager fla vs
 #          its graphs) bench_mla_decode sweep_mla_decode_small bench_mla_prefill
-#          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
+#          bench_mla_prefill_sweep bench_mla_prefill_short (issue 20: short chunks, split-K) bench_engine_burst (issue 23:
+#          the engine's packed prefill of a burst, BURST_PROMPTS prompts) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          demo_real bench_passes bench_state_passes bench_generate
@@ -54,7 +55,7 @@ source benchmarks/device_env.sh
 FLA_DEFAULT="bench_generate bench_generate_fp8 bench_prefill_model bench_prefill_model_stock bench_kda bench_serving"
 FLA_DEFAULT+=" bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased"
 # (eighteenth session: the chunk_kda graphs of ops/kda_graphs, their GPU test against eager fla and their timing)
-FLA_DEFAULT+=" kda_graphs_gpu bench_kda_prefill"
+FLA_DEFAULT+=" kda_graphs_gpu bench_kda_prefill bench_engine_burst"
 FLA_STEPS=${FLA_STEPS:-"$FLA_DEFAULT bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
@@ -154,6 +155,11 @@ for s in "$@"; do
                            --model kimi-linear-48b-4l ${PREFILL_MODEL_ARGS:---systems unimem,old_path} \
                            ${PREFILL_PROFILE---profile-row 32768} \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model:-540} - 40 ))" --out "$OUT/json/prefill_model.json" ;;
+    # issue 23: the engine's prefill of a 32-prompt burst, packed (max_prefill_rows 8) vs one row per forward
+    # (nineteenth session: cut at 150 s after an 82 s build on a cold machine; the warm-up bursts compile the packs)
+    bench_engine_burst) run_step bench_engine_burst 420 python3 -P benchmarks/bench_mla_prefill.py \
+                          --model kimi-linear-48b-4l --systems unimem --rows 1024 --repeats 3 \
+                          --engine-burst ${BURST_PROMPTS:-32} --out "$OUT/json/engine_burst.json" ;;
     bench_prefill_model_stock) run_step bench_prefill_model_stock 540 python3 -P benchmarks/bench_mla_prefill.py \
                            --model kimi-linear-48b-4l --systems stock --profile-row 32768 \
                            --deadline-s "$(( ${LIMIT_bench_prefill_model_stock:-540} - 40 ))" \
