@@ -831,8 +831,9 @@ def warm_up_groups(budget: int, max_prompt: int, max_rows: int = 1, **kw) -> lis
     one token where that would cross the piece), and as a later one whose history crosses the workspace
     (where ``max_prompt`` holds it). Then two budget splits: a request left one token of the step's
     budget (a one-token first chunk of a longer prompt, then chunks after a one-token prefix). Then packs,
-    2 rows first (the batch size Dynamo specialises), per rows and length class: ``rows`` prompts of the
-    class's length, and the same with the first one token shorter (padded). A group is admitted whole only
+    2 rows first (the batch size Dynamo specialises), per rows and length class (its longest length only:
+    with 8 rows the packs are most of the plan): ``rows`` prompts of that length, and the same with the first
+    one token shorter (padded). A group is admitted whole only
     where the engine has that many decode rows (``max_rows`` is at most the model's ``max_batch_size``)."""
     workspace = kw["workspace_tokens"]
     by_class: dict[frozenset, list[int]] = {}
@@ -855,7 +856,7 @@ def warm_up_groups(budget: int, max_prompt: int, max_rows: int = 1, **kw) -> lis
             key = frozenset(prefill_variants(T, 0, rows=rows, **kw) | prefill_variants(T, 0, rows=rows, padded=True,
                                                                                          **kw))
             packs.setdefault(key, []).append(T)
-        for T in sorted({t for ts in packs.values() for t in (ts[0], ts[-1])}):
+        for T in sorted({ts[-1] for ts in packs.values()}):  # one length per class: the packs' warm-up is long
             groups.append([T] * rows)
             if T >= 2:
                 groups.append([T - 1] + [T] * (rows - 1))
