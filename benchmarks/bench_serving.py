@@ -223,33 +223,43 @@ def percentile(values, q):
 
 
 def log_prefill_forwards(engine) -> list[tuple]:
-    """Wrap ``engine``'s prefill forward (this instance only) to record each call as ``(tokens, start, ms,
-    final, decoding)``: the chunk's new tokens, the tokens its request stored before it, the call's wall
-    (ms; the host's enqueue time, plus the GPU wait when ``final``: the chunk that ends a prompt reads its
-    logits), whether it was final, and the rows decoding beside it. No synchronisation is added: the
-    engine runs as it does unwrapped. Returns the list the calls append to."""
+    """Wrap ``engine``'s prefill forwards (this instance only: ``_prefill_chunk``, and ``_prefill_packed`` where
+    it has one) to record each call as ``(tokens, start, ms, final, decoding, rows)``: the forward's new tokens
+    (a pack's ``rows x width``, pads included), the tokens its request stored before it (0 for a pack), the
+    call's wall (ms; the host's enqueue time, plus the GPU wait when ``final``: the chunk that ends a prompt
+    reads its logits; a pack always does), whether it was final, the rows decoding beside it, and the requests
+    in the forward. No synchronisation is added: the engine runs as it does unwrapped. Returns the list the
+    calls append to."""
     log: list[tuple] = []
     forward = engine._prefill_chunk
 
     def logged(req, chunk):
         start, t = req.prefilled, time.perf_counter()
         logits = forward(req, chunk)
-        log.append((int(chunk), int(start), (time.perf_counter() - t) * 1e3, logits is not None, len(engine.rows)))
+        log.append((int(chunk), int(start), (time.perf_counter() - t) * 1e3, logits is not None, len(engine.rows), 1))
         return logits
 
     engine._prefill_chunk = logged
+    packed = getattr(engine, "_prefill_packed", None)
+    if packed is not None:
+        def logged_pack(group, width):
+            decoding, t = len(engine.rows), time.perf_counter()
+            packed(group, width)
+            log.append((int(width) * len(group), 0, (time.perf_counter() - t) * 1e3, True, decoding, len(group)))
+
+        engine._prefill_packed = logged_pack
     return log
 
 
 def prefill_forwards(log: list[tuple]) -> dict | None:
     """Summary of :func:`log_prefill_forwards`' records (ms per forward, p50 / p90 / max, overall and by
-    kind: first chunks (``start`` 0) and later ones, final and not, chunks of < 1024 and >= 1024 tokens; ms
-    per 1k tokens p50), the five slowest forwards, and the Pearson correlation of a forward's ms with the rows
-    decoding beside it (None: fewer than 3 forwards or no spread)."""
+    kind: first chunks (``start`` 0) and later ones, final and not, chunks of < 1024 and >= 1024 tokens, packs
+    of several requests; ms per 1k tokens p50), the five slowest forwards, and the Pearson correlation of a
+    forward's ms with the rows decoding beside it (None: fewer than 3 forwards or no spread)."""
     if not log:
         return None
     arr = np.asarray(log, dtype=np.float64)
-    tokens, start, ms, final, rows = arr.T
+    tokens, start, ms, final, rows, requests = arr.T
 
     def stats(mask):
         sel = ms[mask]
@@ -263,10 +273,10 @@ def prefill_forwards(log: list[tuple]) -> dict | None:
     slowest = sorted(log, key=lambda e: -e[2])[:5]
     return {"all": stats(every), "first_chunk": stats(start == 0), "later_chunk": stats(start > 0),
             "final": stats(final > 0), "not_final": stats(final == 0), "under_1k_tokens": stats(tokens < 1024),
-            "from_1k_tokens": stats(tokens >= 1024), "ms_per_1k_tokens_p50": percentile(1e3 * ms / tokens, 50),
-            "corr_ms_rows_decoding": corr,
-            "slowest": [{"tokens": int(t), "start": int(s0), "ms": m, "final": bool(f), "decoding": int(r)}
-                        for t, s0, m, f, r in slowest]}
+            "from_1k_tokens": stats(tokens >= 1024), "packed": stats(requests > 1),
+            "ms_per_1k_tokens_p50": percentile(1e3 * ms / tokens, 50), "corr_ms_rows_decoding": corr,
+            "slowest": [{"tokens": int(t), "start": int(s0), "ms": m, "final": bool(f), "decoding": int(r),
+                         "requests": int(n)} for t, s0, m, f, r, n in slowest]}
 
 
 def time_split(counters: dict, memory_stats: dict, seconds: float) -> dict:
@@ -281,6 +291,9 @@ def time_split(counters: dict, memory_stats: dict, seconds: float) -> dict:
     return {"steps": counters["steps"], "step_s": step_s, "decode_s": decode_s, "prefill_s": prefill_s,
             "other_step_s": max(0.0, step_s - decode_s - prefill_s), "idle_s": max(0.0, seconds - step_s),
             "prefill_chunks": counters["prefill_chunks"], "prefill_tokens": counters["prefill_tokens"],
+            # packing (Engine max_prefill_rows): forwards of several whole prompts, the prompts in them, their pads
+            "packed_forwards": counters.get("packed_forwards", 0), "packed_rows": counters.get("packed_rows", 0),
+            "prefill_pads": counters.get("prefill_pads", 0),
             "prefill_tokens_per_s": counters["prefill_tokens"] / prefill_s if prefill_s else None,
             "compactions": memory_stats.get("compactions"), "bytes_moved": memory_stats.get("bytes_moved")}
 

@@ -582,8 +582,8 @@ def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
         assert engine._prefill_chunk(req, tokens) == ("logits" if done else None)
         if done:
             req.prefilled = 0
-    assert [(t, s, f, r) for t, s, _, f, r in log] == [(t, s, d, i % 5) for i, ((t, d), s) in
-                                                       enumerate(zip(plan, starts))]
+    assert [(t, s, f, r, n) for t, s, _, f, r, n in log] == [(t, s, d, i % 5, 1) for i, ((t, d), s) in
+                                                             enumerate(zip(plan, starts))]
     ms = np.array([e[2] for e in log])
     assert (ms >= 0).all()
     pf = bench.prefill_forwards(log)
@@ -594,9 +594,11 @@ def test_serving_logs_each_prefill_forward_and_summarises_by_kind():
     assert pf["under_1k_tokens"]["forwards"] == sum(t < 1024 for t, _ in plan)
     assert pf["all"]["p50_ms"] == float(np.percentile(ms, 50)) and pf["all"]["max_ms"] == float(ms.max())
     assert [e["ms"] for e in pf["slowest"]] == sorted(ms.tolist(), reverse=True)[:5]
-    fixed = [(100, 0, 5.0, True, 1), (200, 0, 10.0, True, 2), (400, 100, 20.0, False, 4)]
+    assert pf["packed"]["forwards"] == 0  # the stand-in has no _prefill_packed: nothing wrapped there
+    fixed = [(100, 0, 5.0, True, 1, 1), (200, 0, 10.0, True, 2, 3), (400, 100, 20.0, False, 4, 1)]
     pf = bench.prefill_forwards(fixed)
     assert pf["ms_per_1k_tokens_p50"] == 50.0 and abs(pf["corr_ms_rows_decoding"] - 1.0) < 1e-12
+    assert pf["packed"] == {"forwards": 1, "p50_ms": 10.0, "p90_ms": 10.0, "max_ms": 10.0}
     assert pf["from_1k_tokens"] == {"forwards": 0, "p50_ms": None, "p90_ms": None, "max_ms": None}
     assert bench.prefill_forwards([]) is None
 
