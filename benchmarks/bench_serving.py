@@ -1195,7 +1195,8 @@ def main(argv=None) -> int:
                     f"{ts['prefill_tokens']} tokens, {ts['compactions']} compactions", flush=True)
             pf = r.get("prefill_forwards")
             if pf:
-                kinds = ("all", "first_chunk", "later_chunk", "final", "not_final", "under_1k_tokens", "from_1k_tokens")
+                kinds = ("all", "first_chunk", "later_chunk", "final", "not_final", "under_1k_tokens", "from_1k_tokens",
+                         "packed")
                 by_kind = ", ".join(f"{k} {pf[k]['p50_ms'] or 0:.1f}/{pf[k]['p90_ms'] or 0:.1f}/"
                                     f"{pf[k]['max_ms'] or 0:.1f} (n={pf[k]['forwards']})" for k in kinds)
                 print(f"{name:10s} {system:12s} prefill forwards (ms p50/p90/max): {by_kind}; "
