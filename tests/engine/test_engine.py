@@ -637,6 +637,37 @@ def test_short_prompts_share_one_prefill_forward(pair):
             model.init_continuous_batching(max_prefill_rows=bad)
 
 
+def test_packed_prefill_of_a_rope_model_stores_each_row_at_its_own_positions():
+    """deepseek-v3-tiny (MLA with RoPE, no linear-attention layers: rows without state slots): a packed, left-padded
+    prefill stores every row's latent KV as the same prompts prefilled one per forward do (each row's positions
+    start at its first token, not at its pads), and the tokens are stock's. Without the packed forward's own
+    position ids a row with k pads was stored rotated k positions on (found by review, 2026-12-03: the first token
+    was right, later ones drifted at near-ties), which token comparisons alone catch only by luck."""
+    torch._dynamo.reset()
+    stock, model = build_model("deepseek-v3-tiny"), build_model("deepseek-v3-tiny")
+    unimem_compile.compile(model, max_batch_size=4, max_seq_len=MAX_SEQ, page_size=PAGE, backend="aot_eager")
+    ps = prompts([5, 3, 6, 2], seed=5, vocab=model.config.vocab_size)
+    pool = model.unimem.pool
+    stored, forwards = {}, {}
+    for rows in (1, 8):
+        manager = model.init_continuous_batching(max_prefill_tokens=64, max_prefill_rows=rows)
+        ids = manager.add_requests(ps, max_new_tokens=9)
+        manager.step()  # admission and prefill of all four
+        for rid, p in zip(ids, ps):
+            pages = manager.engine.memory.pages[rid]
+            loc = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(len(p))])
+            stored[rows, rid] = torch.stack([pool.read_kv(layer, loc).float()
+                                             for layer in range(pool.layout.layer_num)])
+        results = drain(manager)
+        forwards[rows] = manager.engine.counters["packed_forwards"]
+        for rid, p in zip(ids, ps):
+            assert results[rid].generated_tokens == reference(stock, p, 9), (rows, rid)
+        assert_idle(model, manager)
+    assert forwards == {1: 0, 8: 1}
+    for rid in ids:  # fp32 on the CPU: the same values up to the rounding of a batched matmul
+        torch.testing.assert_close(stored[8, rid], stored[1, rid], rtol=0, atol=1e-5)
+
+
 def test_a_packed_cache_refuses_rows_it_cannot_serve_and_stores_nothing(pair):
     """UnifiedCache.over_packed_rows: no rows, or slots for some rows only, are refused; a row whose pages
     cannot hold its prompt fails the step before anything is stored (the owner allocates, never the cache),

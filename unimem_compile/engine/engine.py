@@ -491,8 +491,13 @@ class Engine:
             mask[b, width - length:] = 1
         rows = [(self.memory.pages.get(r.rid, []), self.memory.slots.get(r.rid)) for r in group]
         cache = UnifiedCache.over_packed_rows(self.handle, rows)
+        # each row's own positions, 0 at its first token (pads 0), as generate() builds them for a left-padded
+        # batch: prepare_inputs_for_generation passes on what it is given, and without them a RoPE model would
+        # store a row with k pads at positions k.. while its decode steps query at kv_len (pads excluded)
+        position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         inputs = self.model.prepare_inputs_for_generation(ids.to(self.device), **{self._cache_kwarg: cache},
-                                                          use_cache=True, attention_mask=mask.to(self.device))
+                                                          use_cache=True, attention_mask=mask.to(self.device),
+                                                          position_ids=position.to(self.device))
         inputs["logits_to_keep"] = 1
         out = self.model(**inputs, return_dict=True)
         real = sum(len(r.prefill_ids) for r in group)
