@@ -293,23 +293,10 @@ class UnifiedCache(Cache):
         The cache never frees the row (``release`` forgets it, a collected cache returns nothing): the
         owner frees the pages and the slot.
         """
-        cache = cls(handle, 1)
-        cache._orphan_watch.detach()
-        cache.borrowed = True
-        pt = cache.page_tables
-        if pt is not None:
-            pt.rows[0] = list(pages)  # a copy: the owner's list is never extended nor emptied here
-            if pages:
-                pt._host_table[0, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            pt.lengths[0] = int(length)
-            pt._host_len[0] = int(length)
-            pt.sync()
-        if slot is not None:
-            cache.slots[:] = [int(slot)]
+        cache = cls._borrowing(handle, [(pages, slot)], length)
         cache.logical_len = int(length)
         cache.seq_length.fill_(int(length))
         cache.chunked_prefill_end = int(prompt_end)
-        cache.buffers.resident = None  # another cache of one row may have been resident
         return cache
 
     @classmethod
@@ -335,6 +322,13 @@ class UnifiedCache(Cache):
         slots = [slot for _, slot in rows]
         if any(s is None for s in slots) and any(s is not None for s in slots):
             raise GeometryError(f"every packed row needs a state slot or none does, got {slots}")
+        return cls._borrowing(handle, rows, 0)
+
+    @classmethod
+    def _borrowing(cls, handle: UnimemHandle, rows: list[tuple[list[int], int | None]], length: int) -> UnifiedCache:
+        """The borrowed cache of :meth:`over_rows` and :meth:`over_packed_rows`: one row per ``(pages, slot)``
+        (copies of the owner's page lists; the slots as given, none when the first is None), each storing
+        ``length`` tokens already, the orphan watch off (the owner frees), the tables uploaded."""
         cache = cls(handle, len(rows))
         cache._orphan_watch.detach()
         cache.borrowed = True
@@ -344,9 +338,11 @@ class UnifiedCache(Cache):
                 pt.rows[b] = list(pages)  # copies: the owner's lists are never extended nor emptied here
                 if pages:
                     pt._host_table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+                pt.lengths[b] = int(length)
+                pt._host_len[b] = int(length)
             pt.sync()
-        if slots[0] is not None:
-            cache.slots[:] = [int(s) for s in slots]
+        if rows[0][1] is not None:
+            cache.slots[:] = [int(slot) for _, slot in rows]
         cache.buffers.resident = None  # another cache of this batch size may have been resident
         return cache
 
