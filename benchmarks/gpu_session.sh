@@ -99,12 +99,13 @@ run_step() {  # run_step NAME SECONDS COMMAND...
 # not 6 GiB (with 5% of the requests 6 GiB never fills: 14% peak occupancy on 2026-12-01); 32 decode rows; a system
 # that has not served its trace 30 s after the last arrival is stopped (what it served is recorded); the engine
 # systems in this order, after one warm-up that leaves them no compiles (each run records confounded_by_jit)
-# SERVE_BUDGET_GIB / SERVE_MAX_BATCH / SERVE_SCALE change the arena, the decode rows and the share of the traces
+# SERVE_BUDGET_GIB / SERVE_MAX_BATCH / SERVE_SCALE change the arena, the decode rows and the share of the traces;
+# SERVE_SYSTEMS the engine systems run (in order); SERVE_EXTRA adds bench_serving arguments (split on spaces)
 # (2026-12-02, sixteenth session: with fla the 32-row cap, not the 0.75 GiB arena, bound unified admission at
 # 17.25/s; the seventeenth session ran SERVE_MAX_BATCH=64: memory bound then, RESULTS.md has it)
 SERVE_REDUCED="--scale ${SERVE_SCALE:-0.05} --budget-gib ${SERVE_BUDGET_GIB:-0.75} --max-batch ${SERVE_MAX_BATCH:-32}"
-SERVE_REDUCED+=" --drain-timeout-s 30"
-SERVE_SYSTEMS="static0.5,unified,static0.25,static0.75,simbest"
+SERVE_REDUCED+=" --drain-timeout-s 30 ${SERVE_EXTRA:-}"  # SERVE_EXTRA: more arguments, e.g. "--max-prefill-rows 4"
+SERVE_SYSTEMS=${SERVE_SYSTEMS:-"static0.5,unified,static0.25,static0.75,simbest"}
 # 2026-12-02 at 4/s every system served ~2.9 requests/s (overloaded): the search starts at 3/s
 SERVE_FIND=${SERVE_FIND:-"--find-rate --rate-lo 3 --rate-hi 6 --rate-iters 4"}
 SERVE_AT_RATE=${SERVE_RATE:+--rate $SERVE_RATE}

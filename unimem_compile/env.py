@@ -6,6 +6,7 @@ project, so the pool, the ops and the passes can all use it.
 
 | variable | values | default | effect |
 |---|---|---|---|
+| ``UNIMEM_ASYNC_UPLOADS`` | ``0``, or anything else | unset | ``0``: prefill steps copy their per-step host tables to the GPU with blocking copies (each waits for every queued kernel) and read a chunk's attention mask back from the GPU, instead of pinned non-blocking copies and the host copy of the mask taken once per generate() call (``unimem_compile.pool.staging.upload``, ``UnifiedCache.remember_mask``; A/B runs, debugging) |
 | ``UNIMEM_DEBUG`` | ``1``, or anything else | unset | ``1``: every op launcher checks its ids against the live set (one device sync per call) and a ``UnifiedPool`` poisons free pages and slots with NaN bytes (docs/reliability.md) |
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_KDA_GRAPHS`` | ``0``, or anything else | unset | ``0``: CUDA prefills run flash-linear-attention's ``chunk_kda`` eagerly instead of replaying a captured graph per chunk-length bucket (``unimem_compile.ops.kda_graphs``; A/B runs, debugging) |
@@ -26,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "STAND_IN_MASKS", "TP_TIMEOUT", "debug",
-           "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden", "stand_in_masks", "tp_timeout_s",
-           "triton_interpret"]
+__all__ = ["ASYNC_UPLOADS", "DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "STAND_IN_MASKS", "TP_TIMEOUT",
+           "async_uploads", "debug", "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden", "stand_in_masks",
+           "tp_timeout_s", "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
+ASYNC_UPLOADS = "UNIMEM_ASYNC_UPLOADS"
 DEBUG = "UNIMEM_DEBUG"
 DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
 KDA_GRAPHS = "UNIMEM_KDA_GRAPHS"
@@ -41,6 +43,12 @@ TP_TIMEOUT = "UNIMEM_TP_TIMEOUT"
 #: seconds a tensor-parallel host-side check waits for the other ranks when UNIMEM_TP_TIMEOUT is unset: long
 #: enough for ranks that load a large checkpoint at different speeds to meet at compile()
 TP_TIMEOUT_DEFAULT_S = 300.0
+
+
+def async_uploads() -> bool:
+    """Whether prefill steps upload host tables without a stream synchronisation (``UNIMEM_ASYNC_UPLOADS`` is
+    not ``0``; ``unimem_compile.pool.staging.upload``)."""
+    return os.environ.get(ASYNC_UPLOADS) != "0"
 
 
 def debug() -> bool:

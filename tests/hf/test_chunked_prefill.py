@@ -24,6 +24,7 @@ import torch
 import unimem_compile
 from unimem_compile import env
 from unimem_compile.errors import GeometryError, UnsupportedModel
+from unimem_compile.hf.cache import UnifiedCache
 from unimem_compile.hf.generate_checks import _cache_kwarg
 from unimem_compile.hf.models import build_model
 from unimem_compile.passes.manager import is_decode_graph
@@ -338,3 +339,54 @@ def test_a_prefill_graph_that_reads_the_mask_gets_transformers_mask(monkeypatch,
     assert model.unimem.rewrites["mla_prefill"] == 0 and model.unimem.passes.reads_attention_mask
     said = [r.getMessage() for r in caplog.records if "reads its attention mask" in r.getMessage()]
     assert len(said) == 1 and "KimiLinearForCausalLM" in said[0]
+
+
+def test_every_chunk_reads_its_pads_from_the_call_masks_host_copy(pair, monkeypatch):
+    """generate() remembers the call's mask (``UnifiedCache.remember_mask``): every chunk's mask is a slice of
+    it, so each chunk's pads come from its host copy instead of a read-back (a GPU wait per chunk on CUDA). The
+    tokens are stock's; with ``UNIMEM_ASYNC_UPLOADS=0`` every chunk reads its mask back, with the same tokens."""
+    stock, model, _ = pair
+    ids, mask = prompts([29, 12, 20], seed=47)
+    want = greedy(stock, ids, mask)
+    served = []  # per checked step: whether its host mask was a slice of the remembered copy
+    host_mask = UnifiedCache._host_mask
+
+    def recording(cache, attention_mask):
+        got = host_mask(cache, attention_mask)
+        known = cache._known_mask
+        served.append(known is not None and got.data_ptr() == known[1].data_ptr())
+        assert torch.equal(got, attention_mask.to(torch.bool))
+        return got
+
+    monkeypatch.setattr(UnifiedCache, "_host_mask", recording)
+    assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
+    assert served == [True] * 4  # 29 = 8 + 8 + 8 + 5: each chunk once; decode steps read no mask
+    served.clear()
+    with env.overridden(env.ASYNC_UPLOADS, "0"):
+        assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
+    assert served == [False] * 4
+
+
+def test_a_mask_is_served_from_the_host_copy_only_when_it_is_a_slice_of_the_remembered_one(pair):
+    _, model, _ = pair
+    cache = model.unimem.new_cache(2)
+    gen = torch.Generator().manual_seed(53)
+    mask = torch.randint(0, 2, (2, 12), generator=gen)
+    host = mask.to(torch.bool).clone()
+    try:
+        cache.remember_mask(mask, host)
+        for got in (cache._host_mask(mask), cache._host_mask(mask[:, :5])):
+            assert got.data_ptr() == host.data_ptr() and torch.equal(got, mask.bool()[:, :got.shape[1]])
+        others = (mask.clone(), mask[:, 1:], mask[:1], mask.to(torch.int32), torch.cat([mask, mask], 1)[:, :12],
+                  mask.t().contiguous().t(), mask.as_strided((2, 6), (6, 1)))
+        for other in others:  # a copy, an offset view, fewer rows, another dtype, other strides: read back
+            got = cache._host_mask(other)
+            assert got.data_ptr() != host.data_ptr() and torch.equal(got, other.to(torch.bool))
+        cache.remember_mask(None)
+        assert cache._host_mask(mask).data_ptr() != host.data_ptr()
+        with pytest.raises(GeometryError, match=r"host copy has shape \[2, 11\], the mask \[2, 12\]"):
+            cache.remember_mask(mask, host[:, :11])
+        with pytest.raises(GeometryError, match=r"2-D \[B, L\] mask, got shape \[24\]"):
+            cache.remember_mask(mask.reshape(-1))
+    finally:
+        cache.release()

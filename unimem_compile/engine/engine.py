@@ -46,6 +46,7 @@ import time
 import torch
 
 from ..errors import GeometryError, UnsupportedModel
+from ..pool.staging import upload
 from ..runner.rows import Rows, RowSettings
 from ..runner.sampling import decode_step
 from .memory import PoolMemory
@@ -495,9 +496,11 @@ class Engine:
         # batch: prepare_inputs_for_generation passes on what it is given, and without them a RoPE model would
         # store a row with k pads at positions k.. while its decode steps query at kv_len (pads excluded)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        inputs = self.model.prepare_inputs_for_generation(ids.to(self.device), **{self._cache_kwarg: cache},
-                                                          use_cache=True, attention_mask=mask.to(self.device),
-                                                          position_ids=position.to(self.device))
+        device_mask = upload(mask, self.device)
+        cache.remember_mask(device_mask, mask)  # its pads are checked from `mask`, not read back from the GPU
+        inputs = self.model.prepare_inputs_for_generation(upload(ids, self.device), **{self._cache_kwarg: cache},
+                                                          use_cache=True, attention_mask=device_mask,
+                                                          position_ids=upload(position, self.device))
         inputs["logits_to_keep"] = 1
         out = self.model(**inputs, return_dict=True)
         real = sum(len(r.prefill_ids) for r in group)
@@ -520,7 +523,7 @@ class Engine:
             req.cache = UnifiedCache.over_rows(self.handle, self.memory.pages.get(req.rid, []), req.prefilled,
                                                self.memory.slots.get(req.rid), len(req.prefill_ids))
         start = req.prefilled
-        ids = torch.tensor([req.prefill_ids[start:start + chunk]], dtype=torch.int64, device=self.device)
+        ids = upload(torch.tensor([req.prefill_ids[start:start + chunk]], dtype=torch.int64), self.device)
         inputs = self.model.prepare_inputs_for_generation(ids, **{self._cache_kwarg: req.cache}, use_cache=True,
                                                           attention_mask=None)
         inputs["logits_to_keep"] = 1

@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .. import ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
+from .. import env, ops  # noqa: F401  (registers the torch.ops.unimem.* this cache calls)
 from ..errors import GeometryError, PoolExhausted, UnsupportedModel
 from ..ops.geometry import MLAGeometry
 from ..pool import PageTables, UnifiedPool
+from ..pool.staging import upload
 from .adapters import ModelAdapter
 
 if TYPE_CHECKING:
@@ -266,6 +267,9 @@ class UnifiedCache(Cache):
         #: mask (transformers drops an all-ones mask), and a row may end a step with only pads (more left pads
         #: than a chunk)
         self.chunked_prefill_end: int | None = None
+        #: (device mask, its host copy) of :meth:`remember_mask`: a step whose mask is a slice of it reads the host
+        #: copy instead of waiting for the GPU to copy the mask back (None: every checked step reads it back)
+        self._known_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
         #: set by the model's create_masks_for_generate (hf/masks.py) for a step whose full-attention mask is a
@@ -372,11 +376,12 @@ class UnifiedCache(Cache):
 
     def _upload_rows(self) -> None:
         """This cache's state slots (-1 without any) and left pads into the shared step buffers."""
+        buffers = self.buffers
         if self.slots:
-            self.buffers.slot_ids.copy_(torch.tensor(self.slots, dtype=torch.int64))
+            buffers.upload_slot_ids(torch.tensor(self.slots, dtype=torch.int64))
         else:
-            self.buffers.slot_ids.fill_(-1)
-        self.buffers.out_offset.copy_(self._out_offset)
+            buffers.slot_ids.fill_(-1)
+        buffers.upload_out_offset(self._out_offset)
 
     # ------------------------------------------------------------------ eager step preparation
     def prepare_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -444,7 +449,7 @@ class UnifiedCache(Cache):
         # one-token chunk, prefill_chunk_size=1, may be a pad).
         mask = None
         if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start or chunking):
-            mask = attention_mask.detach().to("cpu", torch.bool)
+            mask = self._host_mask(attention_mask)
         self.call_start = False
         try:
             pads = self._step_pads(mask, total, pads_only_ok=chunking and total < self.chunked_prefill_end)
@@ -478,6 +483,45 @@ class UnifiedCache(Cache):
         self.seq_length.fill_(self.logical_len)
         self.logical_len = total
         self.prepared = True
+
+    def remember_mask(self, mask: torch.Tensor | None, host: torch.Tensor | None = None) -> None:
+        """Let later steps whose ``attention_mask`` is ``mask`` or a slice ``mask[:, :n]`` of it read its host
+        copy: a step's pads are checked on the host, and reading a CUDA mask back waits for every kernel queued
+        before it (once per prefill chunk without this). generate() remembers the call's mask for a chunked
+        prefill; the engine the mask of a packed prefill.
+
+        Args:
+            mask: the ``[B, L]`` mask the steps will be given (kept referenced, so its memory cannot be handed to
+                another tensor while remembered), or None to forget the one remembered.
+            host: its host copy, equal to it (None: ``mask`` is read back once, now). Never checked against
+                ``mask``: the caller guarantees they hold the same values.
+
+        A slice is recognised by its storage: the same data pointer, dtype, device, rows and strides, and at
+        most ``L`` columns. Anything else is read back as before. ``UNIMEM_ASYNC_UPLOADS=0`` reads every mask
+        back (A/B runs).
+        """
+        if mask is None:
+            self._known_mask = None
+            return
+        if mask.dim() != 2:
+            raise GeometryError(f"remember_mask takes a 2-D [B, L] mask, got shape {list(mask.shape)}")
+        host = mask.detach().to("cpu", torch.bool) if host is None else host.to(torch.bool)
+        if tuple(host.shape) != tuple(mask.shape):
+            raise GeometryError(f"the host copy has shape {list(host.shape)}, the mask {list(mask.shape)}")
+        self._known_mask = (mask, host)
+
+    def _host_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``attention_mask`` as a host bool tensor: a slice of the remembered host copy when it is a slice of
+        the remembered mask (no device sync), else read back."""
+        known = self._known_mask
+        if known is not None and env.async_uploads():
+            dev, host = known
+            m = attention_mask
+            if (m.data_ptr() == dev.data_ptr() and m.dtype == dev.dtype and m.device == dev.device
+                    and m.dim() == 2 and m.shape[0] == dev.shape[0] and m.shape[1] <= dev.shape[1]
+                    and m.stride() == dev.stride()):
+                return host[:, :m.shape[1]]
+        return attention_mask.detach().to("cpu", torch.bool)
 
     def _step_pads(self, mask: torch.Tensor | None, total: int, pads_only_ok: bool) -> torch.Tensor | None:
         """Every row's left pads after this step (int32 ``[B]``), checked against what earlier steps stored;
@@ -551,7 +595,7 @@ class UnifiedCache(Cache):
             self.buffers.upload_decode_loc(loc.reshape(self.num_rows, 1))
             self.write_loc = self.buffers.decode_loc
             return
-        self.write_loc = loc.to(self.pool.device)
+        self.write_loc = upload(loc, self.pool.device)  # pinned, no stream sync
 
     # ------------------------------------------------------------------ the decode runner's side
     @property

@@ -74,7 +74,8 @@ class StepBuffers:
         resident: weak reference to the cache whose tables the buffers hold now (None: nobody's). Several
             live caches of one batch size share the buffers: a cache that is not resident uploads its
             whole tables before its step (:meth:`UnifiedCache.prepare_step`).
-        upload_decode_loc: refreshes ``decode_loc`` from the host without a stream synchronisation.
+        upload_decode_loc, upload_slot_ids, upload_out_offset: refresh ``decode_loc``, ``slot_ids``,
+            ``out_offset`` from the host without a stream synchronisation (:class:`StagedUpload`).
     """
 
     page_table: torch.Tensor
@@ -84,9 +85,13 @@ class StepBuffers:
     decode_loc: torch.Tensor
     resident: weakref.ref | None = None
     upload_decode_loc: StagedUpload = dataclasses.field(init=False)
+    upload_slot_ids: StagedUpload = dataclasses.field(init=False)
+    upload_out_offset: StagedUpload = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.upload_decode_loc = StagedUpload(self.decode_loc)
+        self.upload_slot_ids = StagedUpload(self.slot_ids)
+        self.upload_out_offset = StagedUpload(self.out_offset)
 
     @classmethod
     def allocate(cls, batch_size: int, max_pages_per_row: int, device: torch.device) -> StepBuffers:
@@ -485,6 +490,11 @@ def _run(original_generate, call: GenerateCall):
     before = cache.fingerprint() if call.passed else None
     cache.defer_stop_check = not call.passed and cache.handle.defers_stop_check(call.rows)
     kwargs = _with_decode_runner(cache.handle, call)
+    mask = call.kwargs.get("attention_mask")
+    if cache.chunked_prefill_end is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        # transformers passes each chunk mask[:, :end]: its pads are read on the host from one copy, taken here,
+        # instead of a read-back (a wait for the GPU on CUDA) per chunk
+        cache.remember_mask(mask)
     try:
         out = original_generate(*call.args, **kwargs)
     except BaseException as e:
@@ -494,6 +504,7 @@ def _run(original_generate, call: GenerateCall):
             e.args = (f"{e}; {cache.handle.budget_advice()}",)  # the same error, its fields and traceback
         raise
     finally:
+        cache.remember_mask(None)
         if not call.passed:
             cache.release()
     if call.passed:

@@ -11,13 +11,20 @@ asynchronous copy from it on the current stream. A ring of ``depth`` staging buf
 CUDA event recorded after its copy, keeps a buffer from being overwritten before the copy that reads it
 has run: the host waits only if it is ``depth`` uploads ahead of the GPU. Stream order keeps the device
 tensor from changing under the kernels of an earlier step (they were enqueued before the copy).
+
+:func:`upload` is the same for a tensor of any shape that the step reads once (a prefill chunk's write
+locations, token ids): a fresh device tensor, copied from a pinned copy of the source that torch's caching host
+allocator keeps until the copy has run (it records an event on the stream with each non-blocking copy from its
+memory, and hands the block out again only after that event).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["StagedUpload"]
+from .. import env
+
+__all__ = ["StagedUpload", "upload"]
 
 
 class StagedUpload:
@@ -56,3 +63,18 @@ class StagedUpload:
         self._stage[i].copy_(src)
         self.dst.copy_(self._stage[i], non_blocking=True)
         done.record(torch.cuda.current_stream(self.dst.device))
+
+
+def upload(src: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A new tensor on ``device`` equal to the host tensor ``src``, enqueued without a stream synchronisation.
+
+    On a CUDA ``device`` the copy reads a page-locked copy of ``src`` on the current stream (the caller may
+    change or free ``src`` at once: the pinned copy is its own, and torch keeps it until the copy has run);
+    readers of the result must run on that stream. ``UNIMEM_ASYNC_UPLOADS=0`` makes it the blocking
+    ``src.to(device)`` (which waits for every kernel queued on the stream), for A/B runs. On another device it
+    is ``src.to(device)`` (a copy on a CPU device only when ``src`` is not already there: it may alias ``src``).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or src.device.type != "cpu" or not env.async_uploads():
+        return src.to(device)
+    return src.pin_memory().to(device, non_blocking=True)
