@@ -15,6 +15,7 @@
 #          the engine's packed prefill of a burst, BURST_PROMPTS prompts) bench_prefill_model bench_prefill_model_stock (the model-level prefill: unimem and
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
+#          sync_audit (every host <-> GPU synchronisation of a chunked prefill and an engine burst, with stacks)
 #          demo_real bench_passes bench_state_passes bench_generate
 #          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit;
 #          the reduced run's arena shrinks with its trace so that memory binds: bench_serving's docstring says why)
@@ -56,6 +57,8 @@ FLA_DEFAULT="bench_generate bench_generate_fp8 bench_prefill_model bench_prefill
 FLA_DEFAULT+=" bench_serving_http bench_serving_rate bench_serving_probe bench_serving_stationary bench_serving_phased"
 # (eighteenth session: the chunk_kda graphs of ops/kda_graphs, their GPU test against eager fla and their timing)
 FLA_DEFAULT+=" kda_graphs_gpu bench_kda_prefill bench_engine_burst"
+# (twentieth session: the synchronisation audit runs the production KDA path)
+FLA_DEFAULT+=" sync_audit"
 FLA_STEPS=${FLA_STEPS:-"$FLA_DEFAULT bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
@@ -136,6 +139,8 @@ for s in "$@"; do
     runner_isolation) run_step runner_isolation 420 $PYTEST -rA tests/gpu/test_runner_isolation_gpu.py
                       run_step runner_after_state_passes 420 $PYTEST tests/gpu/test_state_passes_gpu.py \
                         tests/gpu/test_runner_gpu.py ;;
+    # every host <-> GPU synchronisation of a chunked generate() and an engine burst, with its Python stack
+    sync_audit) run_step sync_audit 300 python3 -P benchmarks/sync_audit.py --out "$OUT/json/sync_audit.json" ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
     kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py \

@@ -355,10 +355,16 @@ def test_every_chunk_reads_its_pads_from_the_call_masks_host_copy(pair, monkeypa
         got = host_mask(cache, attention_mask)
         known = cache._known_mask
         served.append(known is not None and got.data_ptr() == known[1].data_ptr())
-        assert torch.equal(got, attention_mask.to(torch.bool))
+        assert torch.equal(got, attention_mask)
         return got
 
+    remember = UnifiedCache.remember_mask
+
+    def remember_a_copy(cache, device_mask, host=None):  # on the CPU a read-back aliases the mask: copy it
+        return remember(cache, device_mask, None if device_mask is None else device_mask.clone())
+
     monkeypatch.setattr(UnifiedCache, "_host_mask", recording)
+    monkeypatch.setattr(UnifiedCache, "remember_mask", remember_a_copy)
     assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
     assert served == [True] * 4  # 29 = 8 + 8 + 8 + 5: each chunk once; decode steps read no mask
     served.clear()
@@ -372,16 +378,16 @@ def test_a_mask_is_served_from_the_host_copy_only_when_it_is_a_slice_of_the_reme
     cache = model.unimem.new_cache(2)
     gen = torch.Generator().manual_seed(53)
     mask = torch.randint(0, 2, (2, 12), generator=gen)
-    host = mask.to(torch.bool).clone()
+    host = mask.clone()
     try:
         cache.remember_mask(mask, host)
         for got in (cache._host_mask(mask), cache._host_mask(mask[:, :5])):
-            assert got.data_ptr() == host.data_ptr() and torch.equal(got, mask.bool()[:, :got.shape[1]])
+            assert got.data_ptr() == host.data_ptr() and torch.equal(got, mask[:, :got.shape[1]])
         others = (mask.clone(), mask[:, 1:], mask[:1], mask.to(torch.int32), torch.cat([mask, mask], 1)[:, :12],
                   mask.t().contiguous().t(), mask.as_strided((2, 6), (6, 1)))
         for other in others:  # a copy, an offset view, fewer rows, another dtype, other strides: read back
             got = cache._host_mask(other)
-            assert got.data_ptr() != host.data_ptr() and torch.equal(got, other.to(torch.bool))
+            assert got.data_ptr() != host.data_ptr() and torch.equal(got, other)
         cache.remember_mask(None)
         assert cache._host_mask(mask).data_ptr() != host.data_ptr()
         with pytest.raises(GeometryError, match=r"host copy has shape \[2, 11\], the mask \[2, 12\]"):
@@ -390,3 +396,32 @@ def test_a_mask_is_served_from_the_host_copy_only_when_it_is_a_slice_of_the_reme
             cache.remember_mask(mask.reshape(-1))
     finally:
         cache.release()
+
+
+def test_an_all_ones_chunk_mask_is_not_read_back_for_the_linear_attention_layers(pair, monkeypatch):
+    """transformers' ``create_recurrent_attention_mask`` returns None for an all-ones mask, which it finds by
+    reading the mask back (a GPU wait per chunk); with a stand-in step the cache's host copy decides instead and
+    hands it None. A padded batch still gets transformers' trailing slice. Tokens are stock's either way."""
+    import transformers.masking_utils as masking_utils
+
+    stock, model, _ = pair
+    if "linear_attention" not in set(getattr(model.config, "layer_types", None) or ()):
+        pytest.skip("no linear-attention layers")
+    seen = []
+    original = masking_utils.create_recurrent_attention_mask
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append((kwargs.get("attention_mask") is None, None if out is None else tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(masking_utils, "create_recurrent_attention_mask", recording)
+    ids = torch.randint(3, 1000, (1, 24), generator=torch.Generator().manual_seed(59))
+    ones = torch.ones_like(ids)
+    assert torch.equal(greedy(model, ids, ones, prefill_chunk_size=8), greedy(stock, ids, ones))
+    ours = [s for s in seen if s[0]]
+    assert ours == [(True, None), (True, None)]  # chunks 2 and 3 (chunk 1 has no history: transformers' masks)
+    seen.clear()
+    ids, mask = prompts([24, 13], seed=61)
+    assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), greedy(stock, ids, mask))
+    assert (False, (2, 8)) in seen and not any(s[0] for s in seen)

@@ -270,6 +270,8 @@ class UnifiedCache(Cache):
         #: (device mask, its host copy) of :meth:`remember_mask`: a step whose mask is a slice of it reads the host
         #: copy instead of waiting for the GPU to copy the mask back (None: every checked step reads it back)
         self._known_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: (the current step's attention_mask, the host copy prepare_step checked, its values) or None
+        self._step_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
         #: set by the model's create_masks_for_generate (hf/masks.py) for a step whose full-attention mask is a
@@ -449,7 +451,11 @@ class UnifiedCache(Cache):
         # one-token chunk, prefill_chunk_size=1, may be a pad).
         mask = None
         if attention_mask is not None and (self.logical_len == 0 or new > 1 or self.call_start or chunking):
-            mask = self._host_mask(attention_mask)
+            host = self._host_mask(attention_mask)
+            self._step_mask = (attention_mask, host)
+            mask = host.to(torch.bool)
+        else:
+            self._step_mask = None
         self.call_start = False
         try:
             pads = self._step_pads(mask, total, pads_only_ok=chunking and total < self.chunked_prefill_end)
@@ -493,8 +499,8 @@ class UnifiedCache(Cache):
         Args:
             mask: the ``[B, L]`` mask the steps will be given (kept referenced, so its memory cannot be handed to
                 another tensor while remembered), or None to forget the one remembered.
-            host: its host copy, equal to it (None: ``mask`` is read back once, now). Never checked against
-                ``mask``: the caller guarantees they hold the same values.
+            host: its host copy, equal to it in values (None: ``mask`` is read back once, now). Never checked
+                against ``mask``: the caller guarantees they hold the same values.
 
         A slice is recognised by its storage: the same data pointer, dtype, device, rows and strides, and at
         most ``L`` columns. Anything else is read back as before. ``UNIMEM_ASYNC_UPLOADS=0`` reads every mask
@@ -505,13 +511,21 @@ class UnifiedCache(Cache):
             return
         if mask.dim() != 2:
             raise GeometryError(f"remember_mask takes a 2-D [B, L] mask, got shape {list(mask.shape)}")
-        host = mask.detach().to("cpu", torch.bool) if host is None else host.to(torch.bool)
+        host = mask.detach().cpu() if host is None else host
         if tuple(host.shape) != tuple(mask.shape):
             raise GeometryError(f"the host copy has shape {list(host.shape)}, the mask {list(mask.shape)}")
         self._known_mask = (mask, host)
 
+    def step_host_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The host copy (``[B, L]``, the mask's values) of the current step's mask that :meth:`prepare_step` checked, when
+        ``attention_mask`` is that very tensor object; None otherwise (another tensor, a step whose mask was
+        not read). Lets the step's mask builders (hf/masks.py) decide on the host what transformers decides
+        by reading the mask back."""
+        step = self._step_mask
+        return step[1] if step is not None and attention_mask is step[0] else None
+
     def _host_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``attention_mask`` as a host bool tensor: a slice of the remembered host copy when it is a slice of
+        """``attention_mask`` on the host (its values): a slice of the remembered host copy when it is a slice of
         the remembered mask (no device sync), else read back."""
         known = self._known_mask
         if known is not None and env.async_uploads():
@@ -521,7 +535,7 @@ class UnifiedCache(Cache):
                     and m.dim() == 2 and m.shape[0] == dev.shape[0] and m.shape[1] <= dev.shape[1]
                     and m.stride() == dev.stride()):
                 return host[:, :m.shape[1]]
-        return attention_mask.detach().to("cpu", torch.bool)
+        return attention_mask.detach().cpu()
 
     def _step_pads(self, mask: torch.Tensor | None, total: int, pads_only_ok: bool) -> torch.Tensor | None:
         """Every row's left pads after this step (int32 ``[B]``), checked against what earlier steps stored;
@@ -716,6 +730,7 @@ class UnifiedCache(Cache):
         else:
             self.handle.return_rows(self.page_tables, self.slots, self.buffers)  # under the model's generate lock
         self._out_offset.zero_()
+        self._known_mask = self._step_mask = None  # no reference to a caller's mask outlives the rows
         self.logical_len = 0
         self.seq_length.fill_(0)
         self.write_loc = self.buffers.decode_loc

@@ -133,8 +133,12 @@ def _stand_in_masks(handle, cache: UnifiedCache, kwargs: dict):
         from transformers.masking_utils import create_recurrent_attention_mask
 
         cache_key = "cache" if "cache" in kwargs else "past_key_values"  # transformers 5.24 / 5.17
+        # transformers returns None for an all-ones mask, which it finds by reading the mask back (a wait for
+        # the GPU each chunk); prepare_step checked the same mask on the host: all ones, and None it is
+        host = cache.step_host_mask(mask) if isinstance(mask, torch.Tensor) else None
+        recurrent = None if host is not None and bool((host == 1).all()) else mask
         masks["linear_attention"] = create_recurrent_attention_mask(
-            config=config, inputs_embeds=embeds, attention_mask=mask, position_ids=kwargs.get("position_ids"),
+            config=config, inputs_embeds=embeds, attention_mask=recurrent, position_ids=kwargs.get("position_ids"),
             **{cache_key: cache})
     return masks
 

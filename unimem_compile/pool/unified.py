@@ -21,7 +21,7 @@ from ..errors import GeometryError, PoolExhausted
 from .allocator import Move, MultiEndedAllocator, as_int
 from .layout import ArenaLayout
 from .specs import dtype_itemsize
-from .staging import StagedUpload
+from .staging import StagedUpload, upload
 from .translate import translate_kv_loc_dense, translate_slot
 
 __all__ = ["UnifiedPool", "PoolStats", "kv_dense_views", "state_views", "structural_overhead", "POISON_BYTE"]
@@ -189,9 +189,9 @@ class UnifiedPool:
         """Copy changed host tables into the device tables, in place (a no-op on the CPU)."""
         if self.device.type == "cpu" or self._synced_version == self.allocator.version:
             return
-        for upload, host in zip(self._uploads, (self.allocator.v2p, self.allocator.p2v, self.allocator.s_v2p,
+        for staged, host in zip(self._uploads, (self.allocator.v2p, self.allocator.p2v, self.allocator.s_v2p,
                                                 self.allocator.s_p2v)):
-            upload(host)
+            staged(host)
         self._synced_version = self.allocator.version
 
     # ------------------------------------------------------------------ pages
@@ -221,7 +221,7 @@ class UnifiedPool:
         """
         ids = self._alloc("state", n, in_flight_pages, in_flight_slots)
         if ids:
-            phys = torch.tensor([int(self.allocator.state.v2p[v]) for v in ids], device=self.device)
+            phys = upload(torch.tensor([int(self.allocator.state.v2p[v]) for v in ids]), self.device)  # no stream sync
             self._slot_rows().index_fill_(0, phys, 0)
         return ids
 
@@ -233,7 +233,7 @@ class UnifiedPool:
         phys = self.allocator.free(side, virtual_ids)  # validates everything first: raises with nothing freed
         if self.poison and phys:
             rows = self._page_rows() if side == "kv" else self._slot_rows()
-            rows.index_fill_(0, torch.tensor(phys, device=self.device), POISON_BYTE)
+            rows.index_fill_(0, upload(torch.tensor(phys), self.device), POISON_BYTE)
         self.sync_tables()
 
     def _alloc(self, side: str, n: int, in_flight_pages: Iterable[int], in_flight_slots: Iterable[int]) -> list[int]:
@@ -302,8 +302,8 @@ class UnifiedPool:
             planned = self.allocator.plan_compaction(s, pinned[s])
             if planned:
                 rows = self._page_rows() if s == "kv" else self._slot_rows()
-                src = torch.tensor([m.src for m in planned], device=self.device)
-                dst = torch.tensor([m.dst for m in planned], device=self.device)
+                src = upload(torch.tensor([m.src for m in planned]), self.device)
+                dst = upload(torch.tensor([m.dst for m in planned]), self.device)
                 rows[dst] = rows[src]  # advanced indexing gathers first: sources and dests never alias
                 if self.poison:
                     rows.index_fill_(0, src, POISON_BYTE)
