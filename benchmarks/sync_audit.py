@@ -26,10 +26,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import unimem_compile  # noqa: E402
-from unimem_compile.hf.models import build_model  # noqa: E402
+import unimem_compile
+from unimem_compile.hf.models import build_model
 
 #: path fragments that name our code or transformers' in a stack (the frames kept in a site's summary)
 KEEP = ("unimem_compile", "transformers", "benchmarks/")
