@@ -11,10 +11,13 @@ latent write), ``mla_gather`` (paged rows -> dense history), ``mla_decode`` (pag
 re-exported here),
 ``state`` (slot gather/scatter), ``conv`` (short-conv update in place), ``kda`` (Kimi Delta Attention
 decode/prefill on slots), ``kda_chunk`` (functional chunked KDA for the Kimi-Linear adapter), ``kda_graphs``
-(CUDA graphs of fla's ``chunk_kda`` per chunk-length bucket, which both KDA prefill paths replay).
+(CUDA graphs of fla's ``chunk_kda`` per chunk-length bucket, which both KDA prefill paths replay),
+``step_context`` (host copies of a step's device tables, published by the forward for ops that plan on the
+host).
 """
 
-from . import conv, fp8, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, translate
+from . import (conv, fp8, geometry, kda, kda_chunk, mla_decode, mla_gather, mla_prefill, mla_write, state, step_context,
+               translate)
 from .conv import *  # noqa: F401,F403
 from .geometry import MLAGeometry  # noqa: F401
 from .kda import *  # noqa: F401,F403

@@ -78,6 +78,7 @@ from . import fp8
 from .common import (COMPUTE_DTYPES, arena_rows, check_kernel_device, check_knob, check_live_page_table,
                      check_mla_geometry, check_same_device, check_tensor, device_sms, latent_rows, typed_rows)
 from .geometry import MLAGeometry
+from .step_context import host_copy
 
 # The op object is ``torch.ops.unimem.mla_prefill`` (or ``unimem_compile.ops.mla_prefill.mla_prefill``):
 # exporting it from the package would shadow this module.
@@ -705,7 +706,8 @@ def mla_prefill(
             latent rows before attention runs); at most ``P * page_size``. Query ``t`` of row ``b`` has
             stored index ``kv_len[b] - T + t``: a negative index is a left pad.
         kv_len_host: None or a CPU int32 ``[B]`` copy of ``kv_len`` (it sizes the piece loop without a device
-            sync; None costs one sync per call).
+            sync). None: the copy the running forward published for ``kv_len`` (``ops/step_context.py``: a
+            generate() or engine step publishes its cache's lengths), else ``kv_len`` is read back (one sync).
         w_kv_b: ``[H * (dn + dv), R]`` in q's dtype, ``kv_b_proj.weight`` (pass the parameter or a view of it:
             it is read, never copied or cached).
         sm_scale: softmax scale of ``q . k`` (transformers: ``(dn + Dr) ** -0.5``, times DeepSeek's mscale^2).
@@ -730,6 +732,7 @@ def mla_prefill(
         CPU), a workspace < 1, a non-finite scale.
     """
     g = MLAGeometry(layer, layer_num, page_size, kv_lora_rank, qk_rope_head_dim, kv_dtype)
+    kv_len_host = _published(kv_len, kv_len_host)
     _check("mla_prefill", q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, g)
     return mla_prefill_reference(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale,
                                  workspace_tokens, *g.args())
@@ -737,8 +740,14 @@ def mla_prefill(
 
 @mla_prefill.register_kernel("cuda")
 def _(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens, *geometry):
-    return mla_prefill_triton(q, arena, v2p, page_table, kv_len, kv_len_host, w_kv_b, sm_scale, workspace_tokens,
-                              *geometry)
+    return mla_prefill_triton(q, arena, v2p, page_table, kv_len, _published(kv_len, kv_len_host), w_kv_b, sm_scale,
+                              workspace_tokens, *geometry)
+
+
+def _published(kv_len: torch.Tensor, kv_len_host: torch.Tensor | None) -> torch.Tensor | None:
+    """``kv_len_host`` as given, else the host copy of ``kv_len`` the running forward published
+    (ops/step_context.py), else None (the launcher reads ``kv_len`` back: a device sync)."""
+    return kv_len_host if kv_len_host is not None else host_copy(kv_len)
 
 
 @mla_prefill.register_fake

@@ -28,10 +28,11 @@ first ``T`` positions and ``is_causal=True``. transformers emits that form only 
 the chunk has no padding (``masking_utils._ignore_causal_mask_sdpa`` with ``q_offset == 0``; the slices
 come from ``integrations/sdpa_attention.py``), and there, too, query ``t`` sees stored tokens ``0..t``.
 
-How the op learns its piece count: ``kv_len_host`` is None, so the op copies ``kv_len`` to the host once
-per call (one device synchronisation per MLA layer and prefill step on a GPU; free on the CPU). A host copy
-kept by the cache would need a graph input that ``mla_gather``'s frozen schema cannot carry (docs/passes.md
-gives the measurement and the reasoning).
+How the op learns its piece count: ``kv_len_host`` is None in the graph (a host copy as a graph input would
+need ``mla_gather``'s frozen schema to carry it), and the op takes the copy of ``kv_len``'s lengths that the
+forward running the step publishes beside the graph (``unimem_compile.ops.step_context``); only where none is
+published does it read ``kv_len`` back (one device synchronisation per MLA layer and prefill step on a GPU;
+free on the CPU). docs/passes.md gives the measurements.
 
 Refused (one log line, graph unchanged): decode graphs (query length 1: ``mla_absorb``'s); dropout with
 p > 0; ``is_causal=True`` in any other form (upper-left causal alignment over a longer history); a mask that

@@ -425,3 +425,37 @@ def test_an_all_ones_chunk_mask_is_not_read_back_for_the_linear_attention_layers
     ids, mask = prompts([24, 13], seed=61)
     assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), greedy(stock, ids, mask))
     assert (False, (2, 8)) in seen and not any(s[0] for s in seen)
+
+
+def test_mla_prefill_plans_from_the_host_lengths_the_step_publishes(pair, monkeypatch):
+    """Each chunk's forward publishes its page tables' host lengths (ops/step_context.py): every mla_prefill
+    call plans from them (on a GPU, reading kv_len back would wait for the GPU per MLA layer and chunk), and
+    they equal kv_len. ``UNIMEM_ASYNC_UPLOADS=0`` publishes nothing: the op reads kv_len itself."""
+    from unimem_compile.ops import mla_prefill as op
+
+    stock, model, mla_layers = pair
+    ids, mask = prompts([26, 11, 19], seed=67)
+    want = greedy(stock, ids, mask)
+    plans = []
+    plan = op.mla_prefill_plan
+
+    def recording(kv_len_host, *args):
+        plans.append(kv_len_host.clone())
+        return plan(kv_len_host, *args)
+
+    published = []
+    host_copy = op.host_copy
+
+    def recording_lookup(kv_len):
+        got = host_copy(kv_len)
+        published.append(got is not None and torch.equal(got, kv_len))
+        return got
+
+    monkeypatch.setattr(op, "mla_prefill_plan", recording)
+    monkeypatch.setattr(op, "host_copy", recording_lookup)
+    assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
+    assert len(published) == len(plans) == 4 * mla_layers and all(published)  # 26 = 8 + 8 + 8 + 2: 4 chunks
+    published.clear()
+    with env.overridden(env.ASYNC_UPLOADS, "0"):
+        assert torch.equal(greedy(model, ids, mask, prefill_chunk_size=8), want)
+    assert len(published) == 4 * mla_layers and not any(published)

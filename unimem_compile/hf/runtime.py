@@ -41,6 +41,7 @@ import torch
 
 from .. import env
 from ..errors import PoolExhausted, UnsupportedModel
+from ..ops import step_context
 from ..passes.manager import StandInRead
 from ..pool import PageTables, UnifiedPool
 from ..pool.staging import StagedUpload
@@ -386,8 +387,13 @@ def _forward(model, handle: UnimemHandle, compiled):
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
         inputs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
+        # the step's stored lengths, which prepare_step uploaded: ops that plan on the host (mla_prefill) read
+        # them instead of reading kv_len back, which would wait for the GPU (ops/step_context.py)
+        tables = cache.page_tables if isinstance(cache, UnifiedCache) else None
+        published = [(tables.kv_len, tables.host_lengths)] if tables is not None and env.async_uploads() else []
         try:
-            with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                    step_context.host_copies(published):
                 try:
                     return compiled(*args, **inputs)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
