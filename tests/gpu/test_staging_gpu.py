@@ -117,3 +117,30 @@ def test_prefill_chunks_never_synchronise_with_a_remembered_mask(async_uploads):
         assert cache.buffers.out_offset.cpu().tolist() == [0, 11]
     finally:
         cache.release()
+
+
+def test_a_chunked_generate_synchronises_as_often_for_two_chunks_as_for_six():
+    """Nothing in a prefill chunk makes the host wait for the GPU (benchmarks/sync_audit.py's recorder: every
+    synchronising call under ``set_sync_debug_mode("warn")``, by Python stack): a generate() of one row in six
+    chunks synchronises exactly as often as one in two (the call's own checks, its first step and its result)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sync_audit.py")
+    spec = importlib.util.spec_from_file_location("_sync_audit", path)
+    audit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(audit)
+    model = build_model("kimi-linear-tiny", dtype=torch.bfloat16, device="cuda", seed=0)
+    unimem_compile.compile(model, max_batch_size=2, max_seq_len=6 * 32 + 16, page_size=16, backend="aot_eager")
+    gen = torch.Generator().manual_seed(13)
+    counts = {}
+    for chunks in (2, 6):
+        ids = torch.randint(3, 1000, (1, chunks * 32), generator=gen).cuda()
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, prefill_chunk_size=32)
+        with torch.no_grad():
+            model.generate(ids, **kw)  # compiles
+            with audit.SyncRecorder() as rec:
+                model.generate(ids, **kw)
+        counts[chunks] = rec.sites
+    grown = {site: n for site, n in (counts[6] - counts[2]).items() if n}
+    assert not grown, f"synchronisations per chunk: {grown}"
