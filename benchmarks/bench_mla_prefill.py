@@ -28,13 +28,17 @@ op call is the sync's cost (the ``mla_prefill`` rewrite passes no host copy: doc
 ``--model NAME`` (model level, ``model_level``): a whole prefill of one row (``--batch B``: B rows together, the
 FLOPs, bound and tokens/s counting every row) of 4k, 32k and 128k random tokens
 in 4k chunks (``generate(max_new_tokens=1, prefill_chunk_size=4096)``: the prefill and one sampled token),
-best of ``--repeats`` after an untimed warm-up that compiles, for three systems with the same seeded
+best of ``--repeats`` after an untimed warm-up that compiles (:func:`warm_up_tokens`: two chunks, and three
+workspace pieces of history where the rows reach that), for three systems with the same seeded
 weights (bf16 on CUDA): ``unimem`` (``unimem_compile.compile``, every rewrite: ``mla_prefill`` on the
 pages), ``old_path`` (every rewrite but ``mla_prefill``: each chunk gathers and expands ``max_seq_len``
 positions, today's prefill graph; the branch before chunked prefill could not chunk at all), ``stock``
 (stock transformers' chunked prefill on its DynamicCache, eager). One ``max_seq_len`` (the longest row + 16)
 for every row, as a deployment has. Reported per row and system: prefill ms, prefill tokens/s, the peak
-memory above what was allocated before the run, graphs compiled during the timed runs (must be 0), and
+memory above what was allocated before the run, graphs compiled during the timed runs (must be 0), the
+Triton compiles of each timed run (``triton_compiles_per_run``: a run that compiled is confounded; on
+2026-12-04 the first 32k run took 2.6 s after a warm-up of two chunks, whose history never spanned the three
+workspace pieces a 32k row's last chunks do), and
 against the matmul FLOP bound:
 
     bound = FLOPs / the bf16 cuBLAS matmul ceiling measured in the same run
@@ -74,6 +78,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 
 import torch
@@ -523,6 +528,24 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
                     for n, (ms, calls) in ranked], **({"host": host} if host is not None else {})}
 
 
+def warm_up_tokens(rows: list[int], chunk: int, workspace: int = mp.WORKSPACE_TOKENS) -> int:
+    """Tokens of the untimed warm-up prompt: two chunks (the first-chunk and the later-chunk graphs), and where
+    the longest row reaches it, enough for three workspace pieces at the last chunk (``2 * workspace + chunk``),
+    so that mla_prefill's first, middle and last piece are all compiled before a timed run (Triton specialises
+    its integer arguments equal to 1: the first / last flags); at most the longest row."""
+    return min(max(rows), max(2 * chunk, 2 * workspace + chunk))
+
+
+def _triton_compiles():
+    """bench_serving's Triton JIT counter, a context manager (its module imported on first use: it is heavier)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import bench_serving
+
+    return bench_serving.TritonCompiles()
+
+
 def _overridden(override):
     """``env.overridden(*override)``, or nothing to do when ``override`` is None."""
     from unimem_compile import env
@@ -638,7 +661,7 @@ def model_level(args) -> dict:
         rows_cap = max(args.batch, args.burst_rows if args.engine_burst else 1)  # the burst packs that many rows
         model = _build(system, args.model, device, dtype, max_seq_len, args.backend, rows_cap)
         vocab = model.config.vocab_size
-        warm = torch.randint(3, vocab, (args.batch, min(2 * args.chunk, max(rows))),
+        warm = torch.randint(3, vocab, (args.batch, warm_up_tokens(rows, args.chunk)),
                              generator=torch.Generator().manual_seed(1))
         _prefill(model, warm.to(device), args.chunk)  # compiles the first-chunk and the later-chunk graphs
         _sync(device)
@@ -680,10 +703,11 @@ def model_level(args) -> dict:
                     continue
             timed[system] = ([], _graphs(models[system]), {"peak": 0})
         outs = {}
+        jit = {system: [] for system in timed}  # Triton compiles per timed run (a JIT in a run confounds it)
         for _ in range(args.repeats):
             for system, (times, _, peak) in list(timed.items()):
                 try:
-                    with _overridden(overrides.get(system)):
+                    with _overridden(overrides.get(system)), _triton_compiles() as compiles:
                         if device.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(device)
                             before = torch.cuda.memory_allocated(device)
@@ -694,6 +718,7 @@ def model_level(args) -> dict:
                         times.append((time.perf_counter() - t) * 1e3)
                         if device.type == "cuda":
                             peak["peak"] = max(peak["peak"], torch.cuda.max_memory_allocated(device) - before)
+                    jit[system].append(len(compiles.names) if compiles.available else None)
                 except torch.OutOfMemoryError as e:
                     entry["systems"][system] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
                     print(f"{tokens:>7} {system:>9} out of memory")
@@ -707,7 +732,8 @@ def model_level(args) -> dict:
             rec = {"prefill_ms": ms, "median_ms": statistics.median(times),
                    "prefill_tokens_per_s": args.batch * tokens / ms * 1e3, "x_of_bound": ms / bound_ms,
                    "runs_ms": times, "graphs_compiled_in_timed_runs": (None if graphs is None
-                                                                     else _graphs(model) - graphs)}
+                                                                     else _graphs(model) - graphs),
+                   "triton_compiles_per_run": jit[system]}
             if device.type == "cuda":
                 rec["peak_bytes_above_start"] = peak["peak"]
             if args.profile_row == tokens:  # one more prefill under the profiler, after the timed ones
@@ -717,7 +743,8 @@ def model_level(args) -> dict:
             peak = rec.get("peak_bytes_above_start")
             print(f"{tokens:>7} {system:>9} {ms:>10.1f} {rec['prefill_tokens_per_s']:>10.0f} {rec['x_of_bound']:>8.2f} "
                   + (f"{peak / 2**30:>9.2f}" if peak is not None else f"{'-':>9}")
-                  + f"  median {rec['median_ms']:.1f}")
+                  + f"  median {rec['median_ms']:.1f}"
+                  + ("" if not any(jit[system]) else f"  Triton compiles per run {jit[system]}"))
         if "stock" in first_tokens:
             entry["first_token_equal_to_stock"] = {s: t == first_tokens["stock"] for s, t in first_tokens.items()}
         done = entry["systems"]

@@ -255,6 +255,17 @@ def test_prefill_model_level_records_a_row_per_length(tmp_path):
         stock = row["systems"]["stock"]
         assert stock["prefill_ms"] > 0 and stock["prefill_tokens_per_s"] > 0 and row["bound_ms"] > 0
         assert stock["x_of_bound"] == stock["prefill_ms"] / row["bound_ms"]
+        jit = stock["triton_compiles_per_run"]  # one count per timed run (None where Triton has no hook)
+        assert len(jit) == 1 and all(n is None or (isinstance(n, int) and n >= 0) for n in jit)
+
+
+def test_prefill_warm_up_reaches_three_workspace_pieces_where_the_rows_do():
+    bench = _script("bench_mla_prefill")
+    # 2 x 8192 + 4096: the last chunk's history spans three pieces (first, middle, last) before a timed run
+    assert bench.warm_up_tokens([4096, 32768], 4096, workspace=8192) == 20480
+    assert bench.warm_up_tokens([4096, 16384], 4096, workspace=8192) == 16384  # never past the longest row
+    assert bench.warm_up_tokens([40, 20], 16, workspace=8) == 32  # two chunks at least
+    assert bench.warm_up_tokens([20], 16, workspace=8) == 20
 
 
 def test_prefill_model_level_batch_counts_every_row(tmp_path):
