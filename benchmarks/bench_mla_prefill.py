@@ -37,8 +37,8 @@ positions, today's prefill graph; the branch before chunked prefill could not ch
 for every row, as a deployment has. Reported per row and system: prefill ms, prefill tokens/s, the peak
 memory above what was allocated before the run, graphs compiled during the timed runs (must be 0), the
 Triton compiles of each timed run (``triton_compiles_per_run``: a run that compiled is confounded; on
-2026-12-04 the first 32k run took 2.6 s after a warm-up of two chunks, whose history never spanned the three
-workspace pieces a 32k row's last chunks do), and
+2026-12-04 the first 32k run took 2.3-2.6 s after a warm-up of two chunks, whose history never spanned the
+three workspace pieces a 32k row's last chunks do: most likely those launches' first compiles), and
 against the matmul FLOP bound:
 
     bound = FLOPs / the bf16 cuBLAS matmul ceiling measured in the same run
