@@ -786,39 +786,24 @@ def reachable_variants(budget: int, max_prompt: int, max_rows: int = 1, **kw) ->
 
 def chunk_plan(prompts: list[int], budget: int, max_rows: int = 1) -> list[Chunk]:
     """The prefill forwards (:class:`Chunk`) the engine runs for ``prompts`` (lengths) admitted together,
-    oldest first, ``budget`` tokens per step (``Engine._prefill``: each request in turn takes what is left of
-    the step's budget, up to its remaining prompt; the requests after one whose whole prompt fits join its
-    forward while ``rows x the longest <= what is left`` and rows <= ``max_rows``, and a request mid-prompt
-    stops the pack)."""
+    oldest first, ``budget`` tokens per step: the engine's own per-step plan
+    (``unimem_compile.engine.scheduler.plan_prefill``) replayed step after step until every prompt is stored."""
+    from unimem_compile.engine.scheduler import plan_prefill
+
     done = [0] * len(prompts)
     chunks = []
     while any(d < n for d, n in zip(done, prompts)):
-        left = budget
         order = [i for i, n in enumerate(prompts) if done[i] < n]
-        k = 0
-        while k < len(order) and left > 0:
-            i = order[k]
-            k += 1
-            rest = prompts[i] - done[i]
-            group, width = [i], rest
-            if done[i] == 0 and rest <= left:
-                while k < len(order) and len(group) < max_rows and done[order[k]] == 0:
-                    wider = max(width, prompts[order[k]])
-                    if wider * (len(group) + 1) > left:
-                        break
-                    group.append(order[k])
-                    width = wider
-                    k += 1
-            if len(group) > 1:
-                chunks.append(Chunk(width, 0, len(group), any(prompts[j] != width for j in group)))
-                for j in group:
+        for forward in plan_prefill([(done[i], prompts[i]) for i in order], budget, max_rows):
+            members = [order[k] for k in forward.requests]
+            if forward.packed:
+                chunks.append(Chunk(forward.tokens, 0, len(members),
+                                    any(prompts[j] != forward.tokens for j in members)))
+                for j in members:
                     done[j] = prompts[j]
-                left -= width * len(group)
-                continue
-            chunk = min(left, rest)
-            chunks.append(Chunk(chunk, done[i]))
-            done[i] += chunk
-            left -= chunk
+            else:
+                chunks.append(Chunk(forward.tokens, forward.start))
+                done[members[0]] += forward.tokens
     return chunks
 
 

@@ -50,7 +50,7 @@ from ..pool.staging import upload
 from ..runner.rows import Rows, RowSettings
 from ..runner.sampling import decode_step
 from .memory import PoolMemory
-from .scheduler import Scheduler
+from .scheduler import Scheduler, plan_prefill
 
 __all__ = ["DEFAULT_MAX_PREFILL_ROWS", "DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_RESERVE_FRACTION", "Engine",
            "EngineRequest", "Phase"]
@@ -422,33 +422,21 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self) -> list[EngineRequest]:
-        budget = self.max_prefill_tokens
-        touched = []
+        """Run this step's prefill forwards (:func:`~.scheduler.plan_prefill` over the running requests still
+        prefilling, oldest first); returns the requests they touched. A forward that raises fails its
+        requests; the others go on."""
         pending = [r for r in self.scheduler.running if r.phase in (Phase.WAITING, Phase.PREFILL)]
-        i = 0
-        while i < len(pending) and budget > 0:
-            req = pending[i]
-            i += 1
-            self._start_prefill(req)
-            rest = len(req.prefill_ids) - req.prefilled
-            group, width = [req], rest
-            if req.prefilled == 0 and rest <= budget:  # a whole prompt: the next ones may join its forward
-                while i < len(pending) and len(group) < self.max_prefill_rows:
-                    nxt = pending[i]
-                    if nxt.phase == Phase.PREFILL and nxt.prefilled:  # mid-prompt: it goes on alone, in order
-                        break
-                    wider = max(width, nxt.tokens)
-                    if wider * (len(group) + 1) > budget:
-                        break
-                    self._start_prefill(nxt)
-                    group.append(nxt)
-                    width = wider
-                    i += 1
+        progress = [(r.prefilled if r.phase == Phase.PREFILL else 0, r.tokens if r.phase == Phase.WAITING
+                     else len(r.prefill_ids)) for r in pending]
+        touched = []
+        for forward in plan_prefill(progress, self.max_prefill_tokens, self.max_prefill_rows):
+            group = [pending[i] for i in forward.requests]
+            for req in group:
+                self._start_prefill(req)
             start = time.perf_counter()
-            if len(group) > 1:
-                budget -= width * len(group)
+            if forward.packed:
                 try:
-                    self._prefill_packed(group, width)
+                    self._prefill_packed(group, forward.tokens)
                     self.counters["prefill_s"] += time.perf_counter() - start
                 except Exception as e:  # noqa: BLE001 - this forward's requests fail; the others go on
                     logger.exception("engine: the packed prefill of requests %r raised", [r.rid for r in group])
@@ -457,10 +445,9 @@ class Engine:
                             self._end(r, error=f"{type(e).__name__}: {e}")
                 touched += group
                 continue
-            chunk = min(budget, rest)
-            budget -= chunk
+            req = group[0]
             try:
-                logits = self._prefill_chunk(req, chunk)
+                logits = self._prefill_chunk(req, forward.tokens)
                 if logits is not None:
                     self._join(req, logits)  # reads the first token: the chunk's time is complete
                 self.counters["prefill_s"] += time.perf_counter() - start

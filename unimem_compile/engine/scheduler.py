@@ -18,16 +18,21 @@ or time: a request is an entry with an id (``rid``) and the tokens it must hold 
 
 The caller owns the order of the three within a step (the engine: grow, decode, finish, admit, prefill; the
 simulator: grow, finish, admit).
+
+:func:`plan_prefill` is the step's prefill plan (which requests share a forward, how many tokens each
+forward runs), a pure function of the requests' progress and the step's token budget: the engine runs it,
+and ``benchmarks/bench_serving`` replays it to know which prefill shapes a trace reaches.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from ..errors import PoolExhausted
 
-__all__ = ["Scheduler"]
+__all__ = ["PrefillForward", "Scheduler", "plan_prefill"]
 
 
 class Scheduler:
@@ -119,3 +124,70 @@ class Scheduler:
     def finish_all(self, entries: Iterable) -> None:
         for entry in list(entries):
             self.finish(entry)
+
+
+class PrefillForward(NamedTuple):
+    """One forward of a step's prefill (:func:`plan_prefill`).
+
+    Attributes:
+        requests: indices into the ``progress`` list the plan was made from, oldest first: one request, or
+            several (a pack) each with its whole prefill ahead.
+        tokens: the forward's query length: a chunk of the one request's prefill, or a pack's width (its
+            longest prefill; the others are left-padded to it).
+        start: tokens of the one request stored before the chunk (0 for a pack).
+    """
+
+    requests: tuple[int, ...]
+    tokens: int
+    start: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return len(self.requests) > 1
+
+
+def plan_prefill(progress: Sequence[tuple[int, int]], budget: int, max_rows: int = 1) -> list[PrefillForward]:
+    """The prefill forwards of one step, in order.
+
+    Args:
+        progress: per request still prefilling, oldest first: ``(stored, total)`` tokens of its prefill
+            (``0 <= stored < total``).
+        budget: tokens the step may prefill (pads of a pack count: they are computed).
+        max_rows: the most requests one forward packs (1: one request per forward).
+
+    Each request in turn takes what is left of the budget, up to the rest of its prefill. A request whose
+    whole prefill is ahead and fits what is left leads a pack: the requests after it that are also at their
+    first token join while ``rows x the longest prefill`` fits what is left and rows <= ``max_rows``; a
+    request mid-prefill ends the pack (nobody overtakes it). Requests the budget does not reach wait for the
+    next step.
+
+    Raises:
+        ValueError: a budget or ``max_rows`` below 1, or a ``(stored, total)`` outside ``0 <= stored < total``.
+    """
+    if budget < 1 or max_rows < 1:
+        raise ValueError(f"budget and max_rows must be >= 1, got {budget} and {max_rows}")
+    for i, (stored, total) in enumerate(progress):
+        if not 0 <= stored < total:
+            raise ValueError(f"request {i} has stored {stored} of {total} prefill tokens; need 0 <= stored < total")
+    forwards: list[PrefillForward] = []
+    left, i = budget, 0
+    while i < len(progress) and left > 0:
+        stored, total = progress[i]
+        group, width = [i], total - stored
+        i += 1
+        if stored == 0 and width <= left:  # a whole prefill: the next ones may join its forward
+            while i < len(progress) and len(group) < max_rows and progress[i][0] == 0:
+                wider = max(width, progress[i][1])
+                if wider * (len(group) + 1) > left:
+                    break
+                group.append(i)
+                width = wider
+                i += 1
+        if len(group) > 1:
+            forwards.append(PrefillForward(tuple(group), width))
+            left -= width * len(group)
+            continue
+        chunk = min(left, width)
+        forwards.append(PrefillForward((group[0],), chunk, stored))
+        left -= chunk
+    return forwards
