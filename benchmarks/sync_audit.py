@@ -4,7 +4,8 @@ A synchronisation (a blocking copy, ``.item()``, a read-back, a boolean index on
 host wait for every kernel queued before it: the host can no longer prepare step n+1 while the GPU runs
 step n, and a host-bound prefill then costs host time plus GPU time instead of the larger of the two.
 torch reports each one under ``torch.cuda.set_sync_debug_mode("warn")`` as a warning raised where Python
-called into torch; this script records the Python stack of each and prints them grouped, with counts, for
+called into torch; this script records the Python stack of each and prints them grouped, with counts (and
+the per-step table uploads that waited for a staging buffer, an event wait torch does not report), for
 two prompt lengths (a synchronisation whose count grows with the chunks happens per chunk) and for the
 engine's prefill of a burst of prompts (``generate_batch``).
 
@@ -28,6 +29,7 @@ import torch
 
 import unimem_compile
 from unimem_compile.hf.models import build_model
+from unimem_compile.pool.staging import StagedUpload
 
 #: path fragments that name our code or transformers' in a stack (the frames kept in a site's summary)
 KEEP = ("unimem_compile", "transformers", "benchmarks/")
@@ -43,10 +45,14 @@ def _site(stack: list[traceback.FrameSummary]) -> str:
 
 
 class SyncRecorder:
-    """Inside the ``with``: every synchronising CUDA call's site (see :func:`_site`), counted."""
+    """Inside the ``with``: every synchronising CUDA call's site (see :func:`_site`), counted, and
+    ``staged_waits``: the per-step table uploads that waited for their staging buffer's last copy
+    (``StagedUpload.waits``: event waits, which torch's sync debug mode does not report)."""
 
     def __enter__(self):
         self.sites: collections.Counter = collections.Counter()
+        self._waits_before = StagedUpload.waits
+        self.staged_waits = 0
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")
@@ -65,15 +71,18 @@ class SyncRecorder:
 
     def __exit__(self, *exc):
         torch.cuda.set_sync_debug_mode("default")
+        self.staged_waits = StagedUpload.waits - self._waits_before
         self._catch.__exit__(*exc)
         return False
 
 
-def _report(title: str, sites: collections.Counter) -> list[dict]:
-    print(f"--- {title}: {sum(sites.values())} synchronisations at {len(sites)} sites")
+def _report(title: str, rec: SyncRecorder) -> dict:
+    sites = rec.sites
+    print(f"--- {title}: {sum(sites.values())} synchronisations at {len(sites)} sites, {rec.staged_waits} staged "
+          "uploads that waited")
     for site, n in sites.most_common():
         print(f"{n:5d}  {site}")
-    return [{"count": n, "site": s} for s, n in sites.most_common()]
+    return {"sites": [{"count": n, "site": s} for s, n in sites.most_common()], "staged_waits": rec.staged_waits}
 
 
 def main(argv=None) -> int:
@@ -106,15 +115,14 @@ def main(argv=None) -> int:
         run(n)  # compile and warm up this shape first
         with SyncRecorder() as rec:
             run(n)
-        record["generate"][str(n)] = _report(f"generate(), one row of {n} chunks of {args.chunk}", rec.sites)
+        record["generate"][str(n)] = _report(f"generate(), one row of {n} chunks of {args.chunk}", rec)
     if args.burst:
         prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
                    for n in torch.randint(args.chunk // 2, 3 * args.chunk, (args.burst,), generator=gen)]
         model.generate_batch(prompts, max_new_tokens=2)  # warm up
         with SyncRecorder() as rec:
             model.generate_batch(prompts, max_new_tokens=2)
-        record["generate_batch"] = _report(f"generate_batch() of {args.burst} prompts, 2 new tokens each",
-                                           rec.sites)
+        record["generate_batch"] = _report(f"generate_batch() of {args.burst} prompts, 2 new tokens each", rec)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

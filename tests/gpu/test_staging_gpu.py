@@ -76,6 +76,11 @@ def test_upload_enqueues_without_a_sync_and_keeps_its_own_copy():
         torch.cuda.set_sync_debug_mode("default")
     src.fill_(7)  # the caller may reuse its tensor at once: the pinned copy is upload's own
     assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    pinned = want.pin_memory()  # already pinned: upload still copies it (pin_memory() would return it itself)
+    torch.cuda._sleep(100_000_000)
+    got = upload(pinned, "cuda")
+    pinned.fill_(5)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("async_uploads", ["1", "0"])
@@ -133,7 +138,7 @@ def test_a_chunked_generate_synchronises_as_often_for_two_chunks_as_for_six():
     model = build_model("kimi-linear-tiny", dtype=torch.bfloat16, device="cuda", seed=0)
     unimem_compile.compile(model, max_batch_size=2, max_seq_len=6 * 32 + 16, page_size=16, backend="aot_eager")
     gen = torch.Generator().manual_seed(13)
-    counts = {}
+    counts, waits = {}, {}
     for chunks in (2, 6):
         ids = torch.randint(3, 1000, (1, chunks * 32), generator=gen).cuda()
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, prefill_chunk_size=32)
@@ -142,5 +147,7 @@ def test_a_chunked_generate_synchronises_as_often_for_two_chunks_as_for_six():
             with audit.SyncRecorder() as rec:
                 model.generate(ids, **kw)
         counts[chunks] = rec.sites
+        waits[chunks] = rec.staged_waits
     grown = {site: n for site, n in (counts[6] - counts[2]).items() if n}
     assert not grown, f"synchronisations per chunk: {grown}"
+    assert waits[6] == waits[2], f"staged uploads that waited: {waits}"  # event waits the debug mode misses

@@ -24,8 +24,8 @@ def test_a_published_copy_is_found_only_for_that_tensor_inside_the_with():
         assert torch.equal(_published(dev, None), host)
         assert _published(dev, other) is other  # an explicit kv_len_host wins
         assert step_context.host_copy(dev.view(2, 3)).shape == (2, 3)  # same address and size: reshaped
-        for miss in (other, dev[1:], dev[:4], dev.view(torch.float32), dev.clone()):
-            assert step_context.host_copy(miss) is None  # another address, size or dtype
+        for miss in (other, dev[1:], dev[:4], dev.view(torch.float32), dev.clone(), dev.view(2, 3).t()):
+            assert step_context.host_copy(miss) is None  # another address, size, dtype or strides
         seen = []
         worker = threading.Thread(target=lambda: seen.append(step_context.host_copy(dev)))
         worker.start()
@@ -46,5 +46,8 @@ def test_a_copy_of_another_dtype_or_size_is_refused():
             pass
     with pytest.raises(ValueError, match=r"device torch.int32 x 6, host torch.int32 x 5"):
         with step_context.host_copies([(dev, dev[:5].clone())]):
+            pass
+    with pytest.raises(ValueError, match=r"contiguous"):
+        with step_context.host_copies([(dev.view(2, 3).t(), dev.view(3, 2).clone())]):
             pass
     assert step_context.host_copy(dev) is None

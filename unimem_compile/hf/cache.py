@@ -346,10 +346,11 @@ class UnifiedCache(Cache):
                     pt._host_table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
                 pt.lengths[b] = int(length)
                 pt._host_len[b] = int(length)
-            pt.sync()
         if rows[0][1] is not None:
             cache.slots[:] = [int(slot) for _, slot in rows]
-        cache.buffers.resident = None  # another cache of this batch size may have been resident
+        # not resident: its first prepare_step uploads the tables and rows (one upload each, not two: a second
+        # upload through a ring of two staging buffers would wait for the first one's copy)
+        cache.buffers.resident = None
         return cache
 
     def fingerprint(self) -> tuple:
@@ -498,7 +499,7 @@ class UnifiedCache(Cache):
 
         Args:
             mask: the ``[B, L]`` mask the steps will be given (kept referenced, so its memory cannot be handed to
-                another tensor while remembered), or None to forget the one remembered.
+                another tensor while remembered), or None to forget it (and the last step's mask).
             host: its host copy, equal to it in values (None: ``mask`` is read back once, now). Never checked
                 against ``mask``: the caller guarantees they hold the same values.
 
@@ -507,7 +508,7 @@ class UnifiedCache(Cache):
         back (A/B runs).
         """
         if mask is None:
-            self._known_mask = None
+            self._known_mask = self._step_mask = None
             return
         if mask.dim() != 2:
             raise GeometryError(f"remember_mask takes a 2-D [B, L] mask, got shape {list(mask.shape)}")

@@ -497,11 +497,12 @@ def _run(original_generate, call: GenerateCall):
     cache.defer_stop_check = not call.passed and cache.handle.defers_stop_check(call.rows)
     kwargs = _with_decode_runner(cache.handle, call)
     mask = call.kwargs.get("attention_mask")
-    if cache.chunked_prefill_end is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        # transformers passes each chunk mask[:, :end]: its pads are read on the host from one copy, taken here,
-        # instead of a read-back (a wait for the GPU on CUDA) per chunk
-        cache.remember_mask(mask)
     try:
+        if (cache.chunked_prefill_end is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                and env.async_uploads()):
+            # transformers passes each chunk mask[:, :end]: its pads are read on the host from one copy, taken
+            # here, instead of a read-back (a wait for the GPU on CUDA) per chunk
+            cache.remember_mask(mask)
         out = original_generate(*call.args, **kwargs)
     except BaseException as e:
         if call.passed and cache.fingerprint() != before:

@@ -63,17 +63,16 @@ class PageTables:
             if length.shape != (max_batch_size,) or length.dtype != torch.int32:
                 raise GeometryError(f"out kv_len must be int32 [{max_batch_size}], got {length.dtype} {list(length.shape)}")
             self.page_table, self.kv_len = table, length
+            table.fill_(-1)  # the empty tables, set on the device: no upload, no wait
+            length.zero_()
         elif pool.device.type == "cpu":
             self.page_table, self.kv_len = self._host_table, self._host_len
         else:
-            self.page_table = torch.empty_like(self._host_table, device=pool.device)
-            self.kv_len = torch.empty_like(self._host_len, device=pool.device)
+            self.page_table = torch.full_like(self._host_table, -1, device=pool.device)
+            self.kv_len = torch.zeros_like(self._host_len, device=pool.device)
         # device copies are refreshed without a stream synchronisation (pool/staging.py)
         self._upload_table = StagedUpload(self.page_table)
         self._upload_len = StagedUpload(self.kv_len)
-        if self.page_table is not self._host_table:
-            self._upload_table(self._host_table)
-            self._upload_len(self._host_len)
         self.rows: list[list[int]] = [[] for _ in range(max_batch_size)]
         self.lengths = [0] * max_batch_size
 

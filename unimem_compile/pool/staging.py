@@ -38,6 +38,10 @@ class StagedUpload:
     call; every reader of ``dst`` must run on that stream (the default stream in generate()).
     """
 
+    #: uploads (of every instance, process-wide) that found their staging buffer still in use and waited for
+    #: the GPU; ``torch.cuda.set_sync_debug_mode`` does not see these event waits (benchmarks/sync_audit.py)
+    waits = 0
+
     def __init__(self, dst: torch.Tensor, depth: int = 2):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -57,7 +61,9 @@ class StagedUpload:
         self._next = (i + 1) % len(self._stage)
         done = self._done[i]
         if done is not None:
-            done.synchronize()  # the copy that last read this staging buffer has run
+            if not done.query():  # the copy that last read this staging buffer has not run: wait for it
+                StagedUpload.waits += 1
+                done.synchronize()
         else:
             done = self._done[i] = torch.cuda.Event()
         self._stage[i].copy_(src)
@@ -77,4 +83,6 @@ def upload(src: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or src.device.type != "cpu" or not env.async_uploads():
         return src.to(device)
-    return src.pin_memory().to(device, non_blocking=True)
+    # pin_memory() returns an already pinned tensor itself: copy it, or a change to src would race the copy
+    pinned = torch.empty_like(src, pin_memory=True).copy_(src) if src.is_pinned() else src.pin_memory()
+    return pinned.to(device, non_blocking=True)
