@@ -10,7 +10,8 @@ The cache knows those lengths on the host: it computed them before uploading the
 forward that runs a prepared step publishes them here, for the duration of that forward and on its thread
 (the way serving engines pass per-step attention metadata beside the graph), and the op looks its ``kv_len``
 up by address. The lookup is exact or nothing: the same data pointer, device, element count and dtype as a
-tensor registered for the current forward, and contiguous (a view with other strides reads other elements), else None and the op reads the device tensor back as before.
+tensor registered for the current forward, and contiguous (a view with other strides reads other elements),
+else None and the op reads the device tensor back as before.
 Under ``UNIMEM_DEBUG=1`` ``mla_prefill`` checks the copy it got against the device tensor (one sync).
 
 A registered copy must equal what the device tensor holds when the op's kernels run: register only tables

@@ -6,7 +6,7 @@ project, so the pool, the ops and the passes can all use it.
 
 | variable | values | default | effect |
 |---|---|---|---|
-| ``UNIMEM_ASYNC_UPLOADS`` | ``0``, or anything else | unset | ``0``: prefill steps copy their per-step host tables to the GPU with blocking copies (each waits for every queued kernel) and read a chunk's attention mask back from the GPU, instead of pinned non-blocking copies and the host copy of the mask taken once per generate() call (``unimem_compile.pool.staging.upload``, ``UnifiedCache.remember_mask``; A/B runs, debugging) |
+| ``UNIMEM_ASYNC_UPLOADS`` | ``0``, or anything else | unset | ``0``: prefill steps copy their per-step host tables to the GPU with blocking copies (each waits for every queued kernel) and read a chunk's attention mask back from the GPU, and ``mla_prefill`` reads ``kv_len`` back, instead of pinned non-blocking copies, the host copy of the mask taken once per generate() call and the host lengths the step's forward publishes (``unimem_compile.pool.staging.upload``, ``UnifiedCache.remember_mask``, ``unimem_compile.ops.step_context``; A/B runs, debugging) |
 | ``UNIMEM_DEBUG`` | ``1``, or anything else | unset | ``1``: every op launcher checks its ids against the live set (one device sync per call) and a ``UnifiedPool`` poisons free pages and slots with NaN bytes (docs/reliability.md) |
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_KDA_GRAPHS`` | ``0``, or anything else | unset | ``0``: CUDA prefills run flash-linear-attention's ``chunk_kda`` eagerly instead of replaying a captured graph per chunk-length bucket (``unimem_compile.ops.kda_graphs``; A/B runs, debugging) |
@@ -46,8 +46,9 @@ TP_TIMEOUT_DEFAULT_S = 300.0
 
 
 def async_uploads() -> bool:
-    """Whether prefill steps upload host tables without a stream synchronisation (``UNIMEM_ASYNC_UPLOADS`` is
-    not ``0``; ``unimem_compile.pool.staging.upload``)."""
+    """Whether prefill steps upload host tables, check their masks and plan ``mla_prefill`` without a stream
+    synchronisation (``UNIMEM_ASYNC_UPLOADS`` is not ``0``; ``unimem_compile.pool.staging.upload``,
+    ``unimem_compile.ops.step_context``)."""
     return os.environ.get(ASYNC_UPLOADS) != "0"
 
 

@@ -270,7 +270,7 @@ class UnifiedCache(Cache):
         #: (device mask, its host copy) of :meth:`remember_mask`: a step whose mask is a slice of it reads the host
         #: copy instead of waiting for the GPU to copy the mask back (None: every checked step reads it back)
         self._known_mask: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: (the current step's attention_mask, the host copy prepare_step checked, its values) or None
+        #: (the current step's attention_mask, the host copy of its values that prepare_step checked) or None
         self._step_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         #: set by prepare_step, cleared by the compiled forward: a forward without a prepared step is refused
         self.prepared = False
@@ -348,8 +348,8 @@ class UnifiedCache(Cache):
                 pt._host_len[b] = int(length)
         if rows[0][1] is not None:
             cache.slots[:] = [int(slot) for _, slot in rows]
-        # not resident: its first prepare_step uploads the tables and rows (one upload each, not two: a second
-        # upload through a ring of two staging buffers would wait for the first one's copy)
+        # not resident: its first prepare_step uploads the tables and rows (_make_resident), then grow() the
+        # lengths; a third upload in that step, through a ring of two staging buffers, would wait for the GPU
         cache.buffers.resident = None
         return cache
 
@@ -518,8 +518,8 @@ class UnifiedCache(Cache):
         self._known_mask = (mask, host)
 
     def step_host_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The host copy (``[B, L]``, the mask's values) of the current step's mask that :meth:`prepare_step` checked, when
-        ``attention_mask`` is that very tensor object; None otherwise (another tensor, a step whose mask was
+        """The host copy (``[B, L]``, the mask's values) of the current step's mask that :meth:`prepare_step`
+        checked, when ``attention_mask`` is that very tensor object; None otherwise (another tensor, a step whose mask was
         not read). Lets the step's mask builders (hf/masks.py) decide on the host what transformers decides
         by reading the mask back."""
         step = self._step_mask
