@@ -528,6 +528,48 @@ def kernel_breakdown(fn, device: torch.device, top: int = 25) -> dict:
                     for n, (ms, calls) in ranked], **({"host": host} if host is not None else {})}
 
 
+PY_FRAME = re.compile(r"^.+\.py\(\d+\): ")  # a Python frame event of a with_stack profile: "file.py(line): name"
+
+
+def host_stacks(fn, top: int = 6, depth: int = 12, per_name: int = 3) -> list[dict]:
+    """Which Python code issues the operators with the most host self time in one call of ``fn``:
+    ``torch.profiler`` with ``with_stack=True`` (a separate pass: stack recording slows the host, so
+    :func:`kernel_breakdown`'s wall and busy fraction come from an unstacked pass), each operator event grouped
+    by the ``depth`` innermost Python frame events above it (its ``cpu_parent`` chain). Returns, for the ``top``
+    operator names by self CPU time (runtime calls such as ``cudaLaunchKernel`` and Python's own events left
+    out: their callers are the operators), ``{"name", "ms", "calls", "stacks":
+    [{"ms", "calls", "frames"}]}`` with the ``per_name`` costliest stacks each (``frames`` innermost first, as
+    the profiler lists them; compiled code shows the Inductor output file and line)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        fn()
+    totals: dict[str, list] = {}
+    stacks: dict[tuple, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or e.self_cpu_time_total <= 0 or \
+                e.name.startswith(("cuda", "cu", "<built-in")) or PY_FRAME.match(e.name):
+            continue
+        frames, parent = [], e.cpu_parent
+        while parent is not None and len(frames) < depth:  # the Python frames the profiler recorded above the op
+            if PY_FRAME.match(parent.name):
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+        t = totals.setdefault(e.name, [0.0, 0])
+        t[0] += e.self_cpu_time_total / 1e3
+        t[1] += 1
+        st = stacks.setdefault((e.name, tuple(frames)), [0.0, 0])
+        st[0] += e.self_cpu_time_total / 1e3
+        st[1] += 1
+    by_name: dict[str, list] = {}
+    for (name, frames), (ms, calls) in stacks.items():
+        by_name.setdefault(name, []).append({"ms": ms, "calls": calls, "frames": list(frames)})
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n[:120], "ms": ms, "calls": int(calls),
+             "stacks": sorted(by_name[n], key=lambda s: -s["ms"])[:per_name]} for n, (ms, calls) in ranked]
+
+
 def warm_up_tokens(rows: list[int], chunk: int, workspace: int = mp.WORKSPACE_TOKENS) -> int:
     """Tokens of the untimed warm-up prompt: two chunks (the first-chunk and the later-chunk graphs), and where
     the longest row reaches it, enough for three workspace pieces at the last chunk (``2 * workspace + chunk``),
@@ -739,6 +781,7 @@ def model_level(args) -> dict:
             if args.profile_row == tokens:  # one more prefill under the profiler, after the timed ones
                 with _overridden(overrides.get(system)):
                     rec["profile"] = kernel_breakdown(lambda: _prefill(model, ids, args.chunk), device)
+                    rec["profile"]["host_stacks"] = host_stacks(lambda: _prefill(model, ids, args.chunk))
             entry["systems"][system] = rec
             peak = rec.get("peak_bytes_above_start")
             print(f"{tokens:>7} {system:>9} {ms:>10.1f} {rec['prefill_tokens_per_s']:>10.0f} {rec['x_of_bound']:>8.2f} "
@@ -764,6 +807,10 @@ def model_level(args) -> dict:
                     print(f"{tokens:>7} {system:>9} host: {h['launches']} launches {h['launch_ms']:.1f} ms, "
                           f"{h['blocking_calls']} blocking calls {h['blocking_ms']:.1f} ms, other {h['other_ms']:.1f} "
                           f"ms, untraced {h['untraced_ms']:.1f} ms; top: {names}")
+                for op in prof.get("host_stacks", []):
+                    print(f"{tokens:>7} {system:>9} host stack: {op['name'][:50]} {op['ms']:.1f} ms x{op['calls']}")
+                    for st in op["stacks"]:
+                        print(f"{'':>18}{st['ms']:.1f} ms x{st['calls']}: " + " <- ".join(st["frames"][:6]))
         print(f"{tokens:>7} bound {bound_ms:.1f} ms ({flops['total'] / 1e12:.2f} TFLOP; re-expansion in mla_prefill "
               f"{flops['reexpansion_flops'] / 1e12:.2f} TFLOP more)")
         if args.out:  # rewritten after every row: a run cut short keeps what it measured

@@ -83,3 +83,35 @@ def test_host_summary_sorts_runtime_calls_into_launches_blocking_and_the_rest():
     assert h["launch_ms"] + h["blocking_ms"] + h["other_ms"] + h["untraced_ms"] == pytest.approx(20.0)
     assert [e["name"] for e in h["top"]] == ["cudaStreamSynchronize", "cudaLaunchKernel", "aten::empty_strided"]
     assert bench.host_summary(events, wall_ms=1.0)["untraced_ms"] == 0.0
+
+
+def _index_heavy(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    out = x
+    for _ in range(7):
+        out = out[idx]
+    return out
+
+
+def _mm_light(x: torch.Tensor) -> torch.Tensor:
+    return x[:4] @ x[:, :4]
+
+
+def test_host_stacks_names_the_python_frames_that_issue_each_operator():
+    bench = _bench()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 512, generator=gen)
+    idx = torch.randint(0, 512, (512,), generator=gen)
+
+    def call():
+        _index_heavy(x, idx)
+        _mm_light(x)
+
+    ops = bench.host_stacks(call, top=10)
+    by_name = {op["name"]: op for op in ops}
+    assert by_name["aten::index"]["calls"] == 7  # exactly the seven indexings, none from elsewhere
+    (stack,) = by_name["aten::index"]["stacks"]  # one call site
+    assert stack["calls"] == 7 and stack["frames"][0].endswith("_index_heavy")
+    assert "aten::mm" in by_name and by_name["aten::mm"]["stacks"][0]["frames"][0].endswith("_mm_light")
+    assert abs(sum(s["ms"] for s in by_name["aten::index"]["stacks"]) - by_name["aten::index"]["ms"]) < 1e-9
+    assert all(not op["name"].startswith(("cuda", "<built-in")) for op in ops)
+    assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
