@@ -16,6 +16,7 @@
 #          the unrewritten graph, then stock transformers; one 10-minute call each, --deadline-s skips a row
 #          that would not fit and the JSON keeps every row measured)
 #          sync_audit (every host <-> GPU synchronisation of a chunked prefill and an engine burst, with stacks)
+#          prefill_graphs_gpu (UNIMEM_PREFILL_GRAPHS: graphed prefill chunks against the dynamic prefill)
 #          demo_real bench_passes bench_state_passes bench_generate
 #          bench_serving (continuous batching; SERVE_ARGS replaces its default reduced run, SERVE_LIMIT its limit;
 #          the reduced run's arena shrinks with its trace so that memory binds: bench_serving's docstring says why)
@@ -58,7 +59,7 @@ FLA_DEFAULT+=" bench_serving_http bench_serving_rate bench_serving_probe bench_s
 # (eighteenth session: the chunk_kda graphs of ops/kda_graphs, their GPU test against eager fla and their timing)
 FLA_DEFAULT+=" kda_graphs_gpu bench_kda_prefill bench_engine_burst"
 # (twentieth session: the synchronisation audit runs the production KDA path)
-FLA_DEFAULT+=" sync_audit"
+FLA_DEFAULT+=" sync_audit prefill_graphs_gpu"
 FLA_STEPS=${FLA_STEPS:-"$FLA_DEFAULT bench_serving_stock"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site /tmp/site_fla
@@ -143,6 +144,9 @@ for s in "$@"; do
     sync_audit) run_step sync_audit 300 python3 -P benchmarks/sync_audit.py --out "$OUT/json/sync_audit.json" ;;
     bench_mla_write) run_step bench_mla_write 60 python3 -P benchmarks/bench_mla_write.py --out "$OUT/json/mla_write.json" ;;
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
+    # twenty-first session: UNIMEM_PREFILL_GRAPHS (prefill chunks of a listed length replay Inductor's CUDA graphs)
+    prefill_graphs_gpu) TORCH_LOGS="${TORCH_LOGS:-cudagraphs}" run_step prefill_graphs_gpu 240 \
+                          $PYTEST tests/gpu/test_prefill_graphs_gpu.py ;;
     kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py \
                       tests/gpu/test_kda_graphs_model_gpu.py ;;
     bench_kda_prefill) run_step bench_kda_prefill 150 python3 -P benchmarks/bench_kda.py --prefill \

@@ -44,7 +44,16 @@ from unimem_compile.pool.specs import COMPUTE_DTYPES, KERNEL_KV_DTYPES
 
 from .geometry import MLAGeometry
 
+#: ``torch.library.custom_op`` tags of an op whose launcher plans its kernel launches on the host from the
+#: values it is given (``mla_prefill``: pieces and splits from the row lengths; ``kda_chunk`` /
+#: ``kda_prefill``: a replay of their own captured graph per chunk bucket): ``torch.Tag.cudagraph_unsafe``,
+#: so that Inductor's CUDA graphs (``UNIMEM_PREFILL_GRAPHS``) partition the graph around them and run them
+#: eagerly between the captured parts instead of baking one call's plan into a graph. Empty on a torch
+#: without that tag (such ops then stay inside a capture: do not CUDA-graph prefills there).
+HOST_PLANNED: tuple = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 __all__ = [
+    "HOST_PLANNED",
     "COMPUTE_DTYPES",
     "KERNEL_KV_DTYPES",
     "FLOAT_INPUT_DTYPES",

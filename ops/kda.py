@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .common import (FLOAT_INPUT_DTYPES, check_knob, check_same_device, check_slot_geometry, check_slot_ids,
                      check_tensor, declare_slot_footprint, typed_arena)
+from .common import HOST_PLANNED
 from .state import gather_sections, scatter_sections, state_gather_triton, state_scatter_triton
 
 __all__ = [
@@ -400,7 +401,7 @@ def _(q, k, v, g, beta, arena, s_v2p, slot_ids, state_offset, slot_bytes, scale,
     return q.new_empty(v.shape)
 
 
-@torch.library.custom_op("unimem::kda_prefill", mutates_args=("arena",))
+@torch.library.custom_op("unimem::kda_prefill", mutates_args=("arena",), tags=HOST_PLANNED)
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 arena: torch.Tensor, s_v2p: torch.Tensor, slot_ids: torch.Tensor, state_offset: int,
                 slot_bytes: int, scale: float, use_qk_l2norm: bool) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
+from .common import HOST_PLANNED
 from .kda import chunk_kda_cuda, kda_chunked
 
 __all__ = ["kda_chunk"]
@@ -29,7 +30,7 @@ def _check(q, k, v, g, beta, initial_state):
     check_same_device(op, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
 
 
-@torch.library.custom_op("unimem::kda_chunk", mutates_args=())
+@torch.library.custom_op("unimem::kda_chunk", mutates_args=(), tags=HOST_PLANNED)
 def kda_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, scale: float, use_qk_l2norm: bool,

@@ -77,6 +77,7 @@ from unimem_compile.errors import GeometryError
 from . import fp8
 from .common import (COMPUTE_DTYPES, arena_rows, check_kernel_device, check_knob, check_live_page_table,
                      check_mla_geometry, check_same_device, check_tensor, device_sms, latent_rows, typed_rows)
+from .common import HOST_PLANNED
 from .geometry import MLAGeometry
 from .step_context import host_copy
 
@@ -684,7 +685,7 @@ def mla_prefill_triton(
 
 
 # ---------------------------------------------------------------------------------------------- declaration
-@torch.library.custom_op("unimem::mla_prefill", mutates_args=())
+@torch.library.custom_op("unimem::mla_prefill", mutates_args=(), tags=HOST_PLANNED)
 def mla_prefill(
     q: torch.Tensor, arena: torch.Tensor, v2p: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
     kv_len_host: torch.Tensor | None, w_kv_b: torch.Tensor, sm_scale: float, workspace_tokens: int, layer: int,

@@ -223,15 +223,18 @@ class PassManager(CustomGraphPass):
             h.update(f"{rewrite.name}={uuid}".encode())
         return h.hexdigest()
 
-    def backend(self, inner: str = "inductor", cudagraphs: bool = False) -> Callable:
+    def backend(self, inner: str = "inductor", cudagraphs: bool = False, prefill_graphs: bool = False) -> Callable:
         """A ``torch.compile`` backend: rewrite the Dynamo graph, then compile it with ``inner``.
 
         Args:
             inner: "inductor", "aot_eager", "eager" or any registered backend name.
             cudagraphs: Inductor's ``triton.cudagraphs`` for decode graphs (one token per row; ignored by
-                other inner backends). Prefill graphs are never CUDA-graphed: each new prompt length would
-                record (and keep memory for) a graph of its own, for a compute-bound step that gains
-                nothing from it (as serving engines do: vLLM and SGLang graph the decode batch only).
+                other inner backends). Prefill graphs are not CUDA-graphed by this backend: each new prompt
+                length would record (and keep memory for) a graph of its own.
+            prefill_graphs: also CUDA-graph the other graphs (with ``cudagraphs``, Inductor only), partitioned
+                around the ops tagged ``cudagraph_unsafe`` (``ops.common.HOST_PLANNED``: they run eagerly
+                between the captured parts). For the second compiled forward that ``compile()`` keeps for
+                ``UNIMEM_PREFILL_GRAPHS``: static graphs of the listed lengths only, so each records once.
         """
 
         def unimem_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -242,8 +245,11 @@ class PassManager(CustomGraphPass):
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                graphed = bool(cudagraphs) and is_decode_graph(gm)
-                compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphed})
+                graphed = bool(cudagraphs) and (prefill_graphs or is_decode_graph(gm))
+                patches = {"triton.cudagraphs": graphed}
+                if graphed and prefill_graphs:
+                    patches["graph_partition"] = True  # the host-planned ops run between captured parts
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
                 if graphed:
                     compiled = _in_any_thread(compiled)
             elif inner == "eager":

@@ -170,7 +170,7 @@ def _connect_tensor_parallel():
     return TensorParallel.connect()
 
 
-def _own_entry(fn, tag: int):
+def _own_entry(fn, tag: int | str):
     """A trampoline calling ``fn`` with a code object of its own. Dynamo keeps its compiled-graph cache and
     recompile count per top-level code object, and every transformers model's ``forward`` is the same
     decorator ``wrapper`` code: without this, all compiled models of a process would share one cache
@@ -311,12 +311,19 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     cudagraphs = options.cudagraphs_for(device)
     compiled = torch.compile(_own_entry(model.forward, tag), backend=manager.backend(options.backend, cudagraphs),
                              fullgraph=True)
+    # the forward of UNIMEM_PREFILL_GRAPHS' steps: static shapes, Inductor's CUDA graphs partitioned around the
+    # host-planned ops; a code object of its own (its own Dynamo cache and recompile count); compiles on first use
+    prefill_graphed = None
+    if cudagraphs and options.backend == "inductor":  # (off CUDA Inductor ignores the CUDA graphs: static graphs)
+        prefill_graphed = torch.compile(_own_entry(model.forward, f"{tag}_prefill_graphs"), fullgraph=True,
+                                        dynamic=False, backend=manager.backend(options.backend, True,
+                                                                               prefill_graphs=True))
     # the runner traces the forward inside its own step and captures the step itself: its backend must not add
     # Inductor's CUDA graphs (a graph cannot be captured inside another capture)
     handle.runner = DecodeRunner(model, handle, model.forward, manager.backend(options.backend, False),
                                  capture=cudagraphs, tag=tag)
     _COMPILED.append(type(model).__name__)
-    install(model, handle, compiled)
+    install(model, handle, compiled, prefill_graphed)
     from .engine.api import install as install_engine  # on use: the engine layer sits above compile's imports
 
     install_engine(model)

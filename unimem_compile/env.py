@@ -11,6 +11,7 @@ project, so the pool, the ops and the passes can all use it.
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_KDA_GRAPHS`` | ``0``, or anything else | unset | ``0``: CUDA prefills run flash-linear-attention's ``chunk_kda`` eagerly instead of replaying a captured graph per chunk-length bucket (``unimem_compile.ops.kda_graphs``; A/B runs, debugging) |
 | ``UNIMEM_MLA_DECODE_KERNEL`` | ``auto``, ``portable``, ``wgmma`` | ``auto`` | the stage-1 form of every ``mla_decode`` launch that passes no ``kernel=`` (benchmarks, A/B runs); another value makes the launch raise ValueError |
+| ``UNIMEM_PREFILL_GRAPHS`` | token counts, comma-separated (``4096`` or ``2048,4096``) | unset | prefill steps of exactly that many tokens per row run a second compiled forward with Inductor's CUDA graphs (``triton.cudagraphs``, graph partitions around the ops that plan on the host: ``mla_prefill``, ``kda_chunk``, ``kda_prefill``); only on a CUDA model compiled with ``cudagraphs`` and the Inductor backend, one static graph per length (docs/generate.md, "Prefill chunk graphs"); a value that is not such a list makes those steps raise ValueError |
 | ``UNIMEM_STAND_IN_MASKS`` | ``0``, or anything else | unset | ``0``: generate()'s prefill steps get transformers' eager 4-D attention mask instead of an unwritten stand-in that no rewritten graph reads (``unimem_compile.hf.masks``; A/B runs, debugging) |
 | ``UNIMEM_TP_TIMEOUT`` | seconds (a positive number) | ``300`` | how long a tensor-parallel rank waits for the others at a host-side check (``compile(tensor_parallel=True)``, each ``generate()`` call) before it raises ``RankMismatch``; another value makes those raise ValueError |
 | ``TRITON_INTERPRET`` | ``1``, or anything else | unset | read by Triton when a kernel is defined (set it before importing ``unimem_compile``); ``1`` also lets the Triton launchers take CPU tensors |
@@ -27,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["ASYNC_UPLOADS", "DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "STAND_IN_MASKS", "TP_TIMEOUT",
-           "async_uploads", "debug", "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden", "stand_in_masks",
-           "tp_timeout_s", "triton_interpret"]
+__all__ = ["ASYNC_UPLOADS", "DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "PREFILL_GRAPHS", "STAND_IN_MASKS",
+           "TP_TIMEOUT", "async_uploads", "debug", "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden",
+           "prefill_graph_lengths", "stand_in_masks", "tp_timeout_s", "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
 ASYNC_UPLOADS = "UNIMEM_ASYNC_UPLOADS"
@@ -37,6 +38,7 @@ DEBUG = "UNIMEM_DEBUG"
 DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
 KDA_GRAPHS = "UNIMEM_KDA_GRAPHS"
 MLA_DECODE_KERNEL = "UNIMEM_MLA_DECODE_KERNEL"
+PREFILL_GRAPHS = "UNIMEM_PREFILL_GRAPHS"
 STAND_IN_MASKS = "UNIMEM_STAND_IN_MASKS"
 TP_TIMEOUT = "UNIMEM_TP_TIMEOUT"
 
@@ -65,6 +67,26 @@ def dump_graphs() -> str | None:
 def kda_graphs() -> bool:
     """Whether CUDA prefills may replay captured ``chunk_kda`` graphs (``UNIMEM_KDA_GRAPHS`` is not ``0``)."""
     return os.environ.get(KDA_GRAPHS) != "0"
+
+
+def prefill_graph_lengths() -> frozenset[int]:
+    """The per-row token counts whose prefill steps run CUDA-graphed (``UNIMEM_PREFILL_GRAPHS``, e.g.
+    ``"4096"`` or ``"2048, 4096"``); empty when it is unset or empty.
+
+    Raises:
+        ValueError: an entry that is not an integer >= 2 (a one-token step is a decode step: the decode graph
+            and the runner cover it)."""
+    raw = os.environ.get(PREFILL_GRAPHS, "").strip()
+    if not raw:
+        return frozenset()
+    lengths = set()
+    for part in raw.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 2:
+            raise ValueError(f"{PREFILL_GRAPHS} must be comma-separated token counts >= 2 (e.g. '4096'), got "
+                             f"{raw!r}: {part!r} is not one")
+        lengths.add(int(part))
+    return frozenset(lengths)
 
 
 def stand_in_masks() -> bool:

@@ -153,6 +153,9 @@ class UnimemHandle:
         #: rows of ``max_seq_len`` tokens, each with its state, that the arena holds at once (at most
         #: ``max_batch_size``; ``compile()`` sets it and warns when it is fewer)
         self.full_rows = max_batch_size
+        #: prefill steps that ran the CUDA-graphed forward of ``UNIMEM_PREFILL_GRAPHS`` (a count; 0 when the
+        #: variable is unset, off CUDA, without ``cudagraphs`` or with another backend than Inductor)
+        self.prefill_graph_steps = 0
 
     @property
     def deferred_stop_check(self) -> bool | None:
@@ -349,11 +352,12 @@ def _install_deferred_stop_hook() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the wrappers
-def install(model, handle: UnimemHandle, compiled_forward) -> None:
+def install(model, handle: UnimemHandle, compiled_forward, prefill_graphed=None) -> None:
     """Patch ``model``'s ``forward``, ``prepare_inputs_for_generation`` and ``generate`` to run on ``handle``
     (see the module docstring) and attach it as ``model.unimem``. ``compiled_forward`` is the
-    ``torch.compile``'d forward of this model."""
-    model.forward = _forward(model, handle, compiled_forward)
+    ``torch.compile``'d forward of this model; ``prefill_graphed`` (or None) the one with static shapes and
+    Inductor's CUDA graphs that prefill steps of an ``UNIMEM_PREFILL_GRAPHS`` length run instead."""
+    model.forward = _forward(model, handle, compiled_forward, prefill_graphed)
     model.prepare_inputs_for_generation = _prepare_inputs_for_generation(model, handle)
     masks.install(model, handle)
     model.generate = _generate(model, handle)
@@ -364,7 +368,17 @@ def _requires_grad(model) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
-def _forward(model, handle: UnimemHandle, compiled):
+def _graphed_prefill(kwargs: dict, cache) -> bool:
+    """Whether this forward is a prefill step of one of ``UNIMEM_PREFILL_GRAPHS``' lengths (tokens per row)
+    on a UnifiedCache. Raises ValueError for a malformed variable (``env.prefill_graph_lengths``)."""
+    ids = kwargs.get("input_ids")
+    if not isinstance(cache, UnifiedCache) or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
+            or ids.shape[1] < 2:
+        return False
+    return int(ids.shape[1]) in env.prefill_graph_lengths()
+
+
+def _forward(model, handle: UnimemHandle, compiled, prefill_graphed=None):
     adapter = handle.adapter
     # a config asking for hidden states / attentions by default is checked on every forward; otherwise only
     # a forward whose keywords ask for them (two dict lookups on the decode path)
@@ -386,7 +400,12 @@ def _forward(model, handle: UnimemHandle, compiled):
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
-        inputs = prepare_step_inputs(kwargs, cache)  # one graph per query-length bucket
+        graphed = prefill_graphed is not None and _graphed_prefill(kwargs, cache)
+        run = prefill_graphed if graphed else compiled
+        if graphed:
+            handle.prefill_graph_steps += 1
+        # one graph per query-length bucket; a graphed prefill's graph is static in its length
+        inputs = prepare_step_inputs(kwargs, cache, dynamic=not graphed)
         # the step's stored lengths, which prepare_step uploaded: ops that plan on the host (mla_prefill) read
         # them instead of reading kv_len back, which would wait for the GPU (ops/step_context.py)
         tables = cache.page_tables if isinstance(cache, UnifiedCache) else None
@@ -395,15 +414,15 @@ def _forward(model, handle: UnimemHandle, compiled):
             with adapter.patched(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                     step_context.host_copies(published):
                 try:
-                    return compiled(*args, **inputs)
+                    return run(*args, **inputs)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
                     # a graph compiled for this step reads its stand-in mask (a rewrite refused an attention
                     # site): nothing ran, and the pass manager turned stand-ins off for this model
                     if masks.stand_in_of(cache) is None or not isinstance(e.inner_exception, StandInRead):
                         raise
                 masks.stand_in_read(handle)
-                inputs = prepare_step_inputs(masks.with_real_masks(kwargs), cache)
-                return compiled(*args, **inputs)
+                inputs = prepare_step_inputs(masks.with_real_masks(kwargs), cache, dynamic=not graphed)
+                return run(*args, **inputs)
         finally:
             if isinstance(cache, UnifiedCache):
                 cache.stand_in_masks = None

@@ -48,13 +48,14 @@ def _mark(t: torch.Tensor, dim: int, length: int) -> None:
         torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-def prepare_step_inputs(kwargs: dict, cache: object = None) -> dict:
+def prepare_step_inputs(kwargs: dict, cache: object = None, dynamic: bool = True) -> dict:
     """The forward's keyword arguments with stable layouts and, for ``T >= 2``, a dynamic query length.
 
     Args:
         kwargs: the compiled forward's keyword arguments (``input_ids [B, T]``, optional ``position_ids
             [..., T]``, ``attention_mask``: a tensor or a dict of them per layer type, or None).
         cache: the step's ``UnifiedCache`` (its ``write_loc [B, T]`` is marked too), or None.
+        dynamic: False marks nothing (the static graphs of ``UNIMEM_PREFILL_GRAPHS``' lengths).
 
     Returns:
         a new dict: the same arguments, ``position_ids`` and mask tensors replaced by contiguous copies
@@ -63,7 +64,7 @@ def prepare_step_inputs(kwargs: dict, cache: object = None) -> dict:
     out = dict(kwargs)
     ids = out.get("input_ids")
     length = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
-    dynamic = length >= 2
+    dynamic = dynamic and length >= 2
     if isinstance(out.get("position_ids"), torch.Tensor):
         out["position_ids"] = _fresh(out["position_ids"])
         if dynamic:
