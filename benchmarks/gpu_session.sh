@@ -146,7 +146,7 @@ for s in "$@"; do
     bench_kda) run_step bench_kda 100 python3 -P benchmarks/bench_kda.py --out "$OUT/json/kda.json" ;;
     # twenty-first session: UNIMEM_PREFILL_GRAPHS (prefill chunks of a listed length replay Inductor's CUDA graphs)
     prefill_graphs_gpu) TORCH_LOGS="${TORCH_LOGS:-cudagraphs}" run_step prefill_graphs_gpu 240 \
-                          $PYTEST tests/gpu/test_prefill_graphs_gpu.py ;;
+                          $PYTEST -x tests/gpu/test_prefill_graphs_gpu.py ;;
     kda_graphs_gpu) run_step kda_graphs_gpu 300 $PYTEST tests/gpu/test_state_gpu.py \
                       tests/gpu/test_kda_graphs_model_gpu.py ;;
     bench_kda_prefill) run_step bench_kda_prefill 150 python3 -P benchmarks/bench_kda.py --prefill \

@@ -60,9 +60,16 @@ def test_listed_lengths_route_to_the_static_cuda_graphed_forward_and_tokens_stay
     out = greedy(model, ids, mask, 5, prefill_chunk_size=8)  # the same lengths again: nothing new compiles
     assert torch.equal(out, expected) and len(asked) == compiles and model.unimem.prefill_graph_steps == 4
 
+    # another prompt length: its chunks of 8 reuse both static graphs (no graph specialises to the prompt: the
+    # first chunk's position ids are a view of the whole prompt's, with its length in their stride)
+    longer = torch.randint(3, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(12))
+    out = greedy(model, longer, torch.ones_like(longer), 5, prefill_chunk_size=8)
+    assert torch.equal(out, greedy(stock, longer, torch.ones_like(longer), 5))
+    assert len([a for a in asked if a[1]]) == 2 and model.unimem.prefill_graph_steps == 8
+
     monkeypatch.delenv(env.PREFILL_GRAPHS)
     out = greedy(model, ids, mask, 5, prefill_chunk_size=8)  # unset: every step runs the dynamic forward
-    assert torch.equal(out, expected) and model.unimem.prefill_graph_steps == 4
+    assert torch.equal(out, expected) and model.unimem.prefill_graph_steps == 8
 
 
 def test_the_graphed_decision_takes_prefill_steps_of_the_listed_lengths_only(monkeypatch):

@@ -36,9 +36,20 @@ QUERY_LENGTH_BUCKETS = ((1, 1), (2, None))
 _MASK_QUERY_DIM = {2: 1, 4: 2}
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it is contiguous from offset 0, else a contiguous copy (same values)."""
-    if t.is_contiguous() and t.storage_offset() == 0:
+    """``t`` itself when it has exactly the contiguous strides from offset 0, else a contiguous copy (same
+    values). Exactly: ``is_contiguous()`` ignores the stride of a size-1 dimension, but Dynamo guards on it, so
+    the first chunk's ``position_ids[:, :T]`` of a one-row prompt (stride ``[prompt_len, 1]``) would
+    otherwise specialise a static graph to the prompt length."""
+    if t.storage_offset() == 0 and tuple(t.stride()) == _contiguous_strides(t.shape):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
