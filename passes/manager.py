@@ -248,7 +248,8 @@ class PassManager(CustomGraphPass):
                 graphed = bool(cudagraphs) and (prefill_graphs or is_decode_graph(gm))
                 patches = {"triton.cudagraphs": graphed}
                 if graphed and prefill_graphs:
-                    patches["graph_partition"] = True  # the host-planned ops run between captured parts
+                    patches.update(_prefill_graph_patches(gm))
+                    graphed = patches["triton.cudagraphs"]
                 compiled = compile_fx(gm, example_inputs, config_patches=patches)
                 if graphed:
                     compiled = _in_any_thread(compiled)
@@ -304,6 +305,40 @@ def ensure_cudagraph_tls() -> None:
         return
     trees.local.tree_manager_containers = {}
     trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+
+
+#: Ops of other libraries that a prefill graph may call and that read a device tensor back on the host
+#: (transformers' MoE fallback loops over ``offs.tolist()`` when ``torch._grouped_mm`` does not apply, e.g. fp32
+#: or small expert sizes): a CUDA graph cannot capture them, so a CUDA-graphed prefill runs them between its
+#: captured parts, as it does the ops tagged ``cudagraph_unsafe`` (``ops.common.HOST_PLANNED``).
+HOST_SYNCING_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _op_name(target) -> str | None:
+    """``"namespace::name"`` of an op-overload (packet) call target, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _prefill_graph_patches(gm: torch.fx.GraphModule, partition_ops: bool | None = None) -> dict:
+    """Inductor config of a CUDA-graphed prefill graph: ``graph_partition`` (the host-planned ops run eagerly
+    between the captured parts) and :data:`HOST_SYNCING_OPS` as partition points
+    (``custom_should_partition_ops``). On a torch without that option, a graph that calls one of them is
+    not CUDA-graphed (``triton.cudagraphs`` False: capturing it would fail half way through a step).
+    ``partition_ops``: whether the option exists (None: look)."""
+    patches = {"triton.cudagraphs": True, "graph_partition": True}
+    from torch._inductor import config as inductor_config
+
+    if partition_ops is None:
+        partition_ops = hasattr(inductor_config, "custom_should_partition_ops")
+    if partition_ops:
+        patches["custom_should_partition_ops"] = list(HOST_SYNCING_OPS)
+    elif any(n.op == "call_function" and _op_name(n.target) in HOST_SYNCING_OPS for n in gm.graph.nodes):
+        patches["triton.cudagraphs"] = False
+    return patches
 
 
 def _in_any_thread(compiled: Callable) -> Callable:

@@ -13,6 +13,7 @@ import unimem_compile
 from unimem_compile import env
 from unimem_compile.hf.models import build_model
 from unimem_compile.hf.runtime import _graphed_prefill
+from unimem_compile.passes.manager import _op_name, _prefill_graph_patches
 
 from .generate_models import compiled_small, greedy
 
@@ -29,6 +30,10 @@ def _recorded_compile(monkeypatch):
         patches = config_patches or {}
         asked.append((patches.get("triton.cudagraphs"), patches.get("graph_partition"), static,
                       tuple(ids[0].shape) if ids and static else None))
+        if patches.get("graph_partition"):  # transformers' MoE fallback reads offsets on the host: a partition
+            assert patches["custom_should_partition_ops"] == ["transformers::grouped_mm_fallback"]
+            assert any(n.op == "call_function" and _op_name(n.target) == "transformers::grouped_mm_fallback"
+                       for n in gm.graph.nodes)  # (this model calls it on the CPU)
         return gm.forward
 
     monkeypatch.setattr(inductor_entry, "compile_fx", recorder)
@@ -111,3 +116,24 @@ def test_the_host_planned_ops_carry_the_cudagraph_unsafe_tag_and_the_device_only
                                 "state_gather", "state_scatter", "mla_gather", "mla_decode")
               if torch.Tag.cudagraph_unsafe in getattr(torch.ops.unimem, name).default.tags}
     assert unsafe == {"mla_prefill", "kda_chunk", "kda_prefill"}
+
+
+def test_without_inductor_partition_points_a_graph_calling_a_host_syncing_op_is_not_cuda_graphed():
+    import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
+
+    def graph(target):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(target, (x, x, x)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    syncing = graph(torch.ops.transformers.grouped_mm_fallback.default)
+    plain = graph(torch.ops.aten.addcmul.default)
+    assert _prefill_graph_patches(syncing, partition_ops=False) == {"triton.cudagraphs": False,
+                                                                    "graph_partition": True}
+    assert _prefill_graph_patches(plain, partition_ops=False) == {"triton.cudagraphs": True, "graph_partition": True}
+    assert _prefill_graph_patches(syncing, partition_ops=True) == {
+        "triton.cudagraphs": True, "graph_partition": True,
+        "custom_should_partition_ops": ["transformers::grouped_mm_fallback"]}
+    assert _op_name(torch.ops.transformers.grouped_mm_fallback) == "transformers::grouped_mm_fallback"
+    assert _op_name(torch.ops.aten.addcmul.default) == "aten::addcmul" and _op_name(len) is None
