@@ -11,6 +11,7 @@ project, so the pool, the ops and the passes can all use it.
 | ``UNIMEM_DUMP_GRAPHS`` | a folder path | unset | every graph a pass manager processes is written there as Python, before and after the rewrites; ``compile()`` creates the folder and raises OSError if it cannot write there |
 | ``UNIMEM_KDA_GRAPHS`` | ``0``, or anything else | unset | ``0``: CUDA prefills run flash-linear-attention's ``chunk_kda`` eagerly instead of replaying a captured graph per chunk-length bucket (``unimem_compile.ops.kda_graphs``; A/B runs, debugging) |
 | ``UNIMEM_MLA_DECODE_KERNEL`` | ``auto``, ``portable``, ``wgmma`` | ``auto`` | the stage-1 form of every ``mla_decode`` launch that passes no ``kernel=`` (benchmarks, A/B runs); another value makes the launch raise ValueError |
+| ``UNIMEM_PREFILL_CONV`` | ``conv``, ``shifted`` | ``conv`` | the Kimi-Linear prefill's short convolution: ``conv`` is transformers' ``F.conv1d(groups=C)`` (aten's depthwise kernel on CUDA), ``shifted`` K shifted multiply-adds that Inductor fuses into one pointwise kernel (``unimem_compile.hf.kda_kernels.causal_conv1d_shifted``; opt-in until a GPU run times it); another value makes the forward raise ValueError |
 | ``UNIMEM_PREFILL_GRAPHS`` | token counts, comma-separated (``4096`` or ``2048,4096``) | unset | prefill steps of exactly that many tokens per row run a second compiled forward with Inductor's CUDA graphs (``triton.cudagraphs``, graph partitions around the ops that plan on the host: ``mla_prefill``, ``kda_chunk``, ``kda_prefill``); only on a CUDA model compiled with ``cudagraphs`` and the Inductor backend, one static graph per length (docs/generate.md, "Prefill chunk graphs"); a value that is not such a list makes those steps raise ValueError |
 | ``UNIMEM_STAND_IN_MASKS`` | ``0``, or anything else | unset | ``0``: generate()'s prefill steps get transformers' eager 4-D attention mask instead of an unwritten stand-in that no rewritten graph reads (``unimem_compile.hf.masks``; A/B runs, debugging) |
 | ``UNIMEM_TP_TIMEOUT`` | seconds (a positive number) | ``300`` | how long a tensor-parallel rank waits for the others at a host-side check (``compile(tensor_parallel=True)``, each ``generate()`` call) before it raises ``RankMismatch``; another value makes those raise ValueError |
@@ -28,9 +29,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["ASYNC_UPLOADS", "DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "PREFILL_GRAPHS", "STAND_IN_MASKS",
-           "TP_TIMEOUT", "async_uploads", "debug", "dump_graphs", "kda_graphs", "mla_decode_kernel", "overridden",
-           "prefill_graph_lengths", "stand_in_masks", "tp_timeout_s", "triton_interpret"]
+__all__ = ["ASYNC_UPLOADS", "DEBUG", "DUMP_GRAPHS", "KDA_GRAPHS", "MLA_DECODE_KERNEL", "PREFILL_CONV", "PREFILL_GRAPHS",
+           "STAND_IN_MASKS", "TP_TIMEOUT", "async_uploads", "debug", "dump_graphs", "kda_graphs", "mla_decode_kernel",
+           "overridden", "prefill_conv", "prefill_graph_lengths", "stand_in_masks", "tp_timeout_s", "triton_interpret"]
 
 #: The variables' names (for messages and for code that sets them, e.g. a benchmark's ``--kernel``).
 ASYNC_UPLOADS = "UNIMEM_ASYNC_UPLOADS"
@@ -38,6 +39,7 @@ DEBUG = "UNIMEM_DEBUG"
 DUMP_GRAPHS = "UNIMEM_DUMP_GRAPHS"
 KDA_GRAPHS = "UNIMEM_KDA_GRAPHS"
 MLA_DECODE_KERNEL = "UNIMEM_MLA_DECODE_KERNEL"
+PREFILL_CONV = "UNIMEM_PREFILL_CONV"
 PREFILL_GRAPHS = "UNIMEM_PREFILL_GRAPHS"
 STAND_IN_MASKS = "UNIMEM_STAND_IN_MASKS"
 TP_TIMEOUT = "UNIMEM_TP_TIMEOUT"
@@ -67,6 +69,18 @@ def dump_graphs() -> str | None:
 def kda_graphs() -> bool:
     """Whether CUDA prefills may replay captured ``chunk_kda`` graphs (``UNIMEM_KDA_GRAPHS`` is not ``0``)."""
     return os.environ.get(KDA_GRAPHS) != "0"
+
+
+def prefill_conv() -> str:
+    """The Kimi-Linear prefill convolution's form: ``"conv"`` (``UNIMEM_PREFILL_CONV`` unset or empty) or
+    ``"shifted"``.
+
+    Raises:
+        ValueError: another value."""
+    raw = os.environ.get(PREFILL_CONV) or "conv"
+    if raw not in ("conv", "shifted"):
+        raise ValueError(f"{PREFILL_CONV} must be 'conv' or 'shifted', got {raw!r}")
+    return raw
 
 
 def prefill_graph_lengths() -> frozenset[int]:

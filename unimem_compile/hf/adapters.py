@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .. import env
 from ..errors import GeometryError, UnsupportedModel
 from ..pool import KERNEL_KV_DTYPES, LinearStateSpec, MLASpec
 
@@ -71,6 +72,8 @@ class ModelAdapter:
         # state passes rewrite into in-place slot kernels.
         for name in ("recurrent_kimi_delta_attention", "causal_conv1d_update", "causal_conv1d_fn"):
             patches[name] = inspect.unwrap(getattr(modeling, name))
+        if env.prefill_conv() == "shifted":  # (read per forward: a change recompiles, Dynamo guards on it)
+            patches["causal_conv1d_fn"] = kda_kernels.causal_conv1d_shifted
         return patches
 
     @contextlib.contextmanager

@@ -5,13 +5,52 @@ flash-linear-attention is absent: traced by Dynamo it unrolls into ~1850 nodes p
 recompiles for every number of 64-token chunks. The replacement below has the same signature and
 semantics but calls one opaque op, ``unimem::kda_chunk``, whose CUDA implementation uses
 flash-linear-attention's chunked kernels where installed.
+
+:func:`causal_conv1d_shifted` is the prefill short convolution as K shifted multiply-adds, which Inductor
+fuses into one pointwise kernel (with the activation), instead of transformers' ``F.conv1d(groups=C)``,
+which runs aten's generic depthwise kernel (``conv_depthwise2d_forward``: 12.6 ms of a 32k-token prefill's
+93.7 ms of kernels on an H200, 0.5 ms per call at 4,096 tokens x 12,288 channels,
+benchmarks/results/prefill_model_2026-12-04_s21_call1.json). Opt-in (``UNIMEM_PREFILL_CONV=shifted``) until
+a GPU run has timed and checked it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["chunk_kimi_delta_attention"]
+__all__ = ["chunk_kimi_delta_attention", "causal_conv1d_shifted"]
+
+
+def causal_conv1d_shifted(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          activation: str | None = None, **kwargs) -> torch.Tensor:
+    """Drop-in for transformers' Kimi-Linear ``causal_conv1d_fn`` (its torch path): the causal depthwise
+    convolution ``out[b, c, t] = act(bias[c] + sum_k weight[c, k] * x[b, c, t + k - (K - 1)])`` with
+    ``x[..., j] = 0`` for ``j < 0``, i.e. ``F.conv1d(x, weight[:, None], bias, padding=K - 1, groups=C)[..., :L]``.
+
+    Args:
+        hidden_states: ``[B, C, L]`` (any strides; the caller's left context, the conv state, is already
+            prepended by the cache). weight: ``[C, K]``. bias: ``[C]`` or None. activation: None, ``"silu"``
+            or ``"swish"`` (transformers' ACT2FN names).
+
+    Returns:
+        a fresh ``[B, C, L]`` in ``hidden_states``' dtype, computed in the weight's dtype as the original is.
+        The sum runs over k in order (K products, K - 1 additions): not the same rounding as a convolution
+        kernel's accumulation, so results differ from ``F.conv1d`` by rounding (a few ulp of the weight's
+        dtype; tests/hf/test_prefill_conv.py bounds it)."""
+    del kwargs
+    from transformers.activations import ACT2FN
+
+    length, k_size = hidden_states.shape[-1], weight.shape[-1]
+    x = F.pad(hidden_states.to(weight.dtype), (k_size - 1, 0))
+    out = x[..., 0:length] * weight[:, 0:1]
+    for k in range(1, k_size):
+        out = out + x[..., k:k + length] * weight[:, k:k + 1]
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
 
 
 def chunk_kimi_delta_attention(
