@@ -588,11 +588,27 @@ def _triton_compiles():
     return bench_serving.TritonCompiles()
 
 
+def parse_ab_env(spec: str) -> list[tuple[str, str]]:
+    """One ``--ab-env`` variant: ``NAME=VALUE`` or several joined by ``+`` (``A=1+B=x``), as ``[(name, value)]``.
+    Raises ValueError for a part without ``=`` or with an empty name."""
+    pairs = []
+    for part in spec.split("+"):
+        name, eq, value = part.partition("=")
+        if not eq or not name:
+            raise ValueError(f"--ab-env takes NAME=VALUE[+NAME=VALUE...], got {spec!r}")
+        pairs.append((name, value))
+    return pairs
+
+
 def _overridden(override):
-    """``env.overridden(*override)``, or nothing to do when ``override`` is None."""
+    """Every ``env.overridden(name, value)`` of ``override`` (a list of pairs) at once, or nothing to do when
+    ``override`` is None."""
     from unimem_compile import env
 
-    return env.overridden(*override) if override is not None else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for name, value in override or ():
+        stack.enter_context(env.overridden(name, value))
+    return stack
 
 
 def burst_prompts(n: int, vocab: int, seed: int = 0, max_tokens: int = 2048) -> list[list[int]]:
@@ -711,17 +727,17 @@ def model_level(args) -> dict:
         result["systems"][system] = {"build_and_warmup_s": time.perf_counter() - t, "graphs": _graphs(model),
                                      "rewrites": dict(model.unimem.rewrites) if system != "stock" else None}
         print(f"{system}: built and warmed up in {result['systems'][system]['build_and_warmup_s']:.1f} s")
-    overrides = {}  # an --ab-env variant: the same compiled model, timed with the variable set
-    if args.ab_env:
-        name, _, value = args.ab_env.partition("=")
-        for system in list(models):
-            variant = f"{system}[{name}={value}]"
-            models[variant], overrides[variant] = models[system], (name, value)
-            result["systems"][variant] = {**result["systems"][system], "environment": {name: value}}
+    overrides = {}  # an --ab-env variant: the same compiled model, timed with the variables set
+    for spec in args.ab_env:
+        pairs = parse_ab_env(spec)
+        for system in [s for s in models if s not in overrides]:
+            variant = f"{system}[{spec}]"
+            models[variant], overrides[variant] = models[system], pairs
+            result["systems"][variant] = {**result["systems"][system], "environment": dict(pairs)}
             # a variable that changes the compiled path (UNIMEM_PREFILL_GRAPHS: static graphs, CUDA-graph
             # recordings on the second call) compiles and records here, not in a timed run
             t = time.perf_counter()
-            with _overridden((name, value)):
+            with _overridden(pairs):
                 for _ in range(2):
                     _prefill(models[system], warm.to(device), args.chunk)
             _sync(device)
@@ -842,9 +858,11 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=CHUNK, help="model level: prefill_chunk_size")
     ap.add_argument("--batch", type=int, default=1, help="model level: rows prefilled together (each of the row "
                     "length; tokens/s and the bound count every row)")
-    ap.add_argument("--ab-env", default=None, metavar="NAME=VALUE",
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE[+NAME=VALUE]",
                     help="model level: also time every system with the environment variable NAME set to "
-                         "VALUE (the same model, its runs interleaved with the system's), e.g. UNIMEM_STAND_IN_MASKS=0")
+                         "VALUE (the same model, warmed up twice with it, its runs interleaved with the system's), "
+                         "e.g. UNIMEM_STAND_IN_MASKS=0; several variables at once joined by +; repeat the option "
+                         "for more variants")
     ap.add_argument("--engine-burst", type=int, default=0, metavar="N",
                     help="model level: first time the continuous-batching engine's prefill of N chat-length prompts "
                          "(64..--burst-max-tokens tokens) submitted together, packed (--burst-rows) and one per "
@@ -871,8 +889,11 @@ def main(argv=None) -> int:
             ap.error(f"--batch must be >= 1, got {args.batch}")
         if args.profile_row is not None and args.profile_row not in (args.rows or MODEL_ROWS):
             ap.error(f"--profile-row {args.profile_row} is not one of the rows {sorted(args.rows or MODEL_ROWS)}")
-        if args.ab_env is not None and ("=" not in args.ab_env or not args.ab_env.partition("=")[0]):
-            ap.error(f"--ab-env takes NAME=VALUE, got {args.ab_env!r}")
+        for spec in args.ab_env:
+            try:
+                parse_ab_env(spec)
+            except ValueError as e:
+                ap.error(str(e))
         if args.repeats < 1 or args.chunk < 1:
             ap.error(f"--repeats and --chunk must be >= 1, got {args.repeats} and {args.chunk}")
         model_level(args)

@@ -300,7 +300,8 @@ def test_prefill_model_level_ab_env_interleaves_a_variant_of_each_system(tmp_pat
     out = tmp_path / "prefill_ab.json"
     assert bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--rows", "20", "--chunk", "16",
                        "--systems", "stock", "--repeats", "2", "--ab-env", "UNIMEM_AB_PROBE=7", "--out", str(out)]) == 0
-    assert seen == [None, None, "7", None, "7"]  # the warm-up, then the two repeats interleaved
+    # the warm-up, the variant's two warm-ups with the variable, then the two repeats interleaved
+    assert seen == [None, "7", "7", None, "7", None, "7"]
     assert "UNIMEM_AB_PROBE" not in os.environ
     rec = json.loads(out.read_text())
     variant = "stock[UNIMEM_AB_PROBE=7]"
@@ -310,6 +311,22 @@ def test_prefill_model_level_ab_env_interleaves_a_variant_of_each_system(tmp_pat
     assert all(row[s]["median_ms"] >= row[s]["prefill_ms"] > 0 for s in row)
     with pytest.raises(SystemExit):
         bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--systems", "stock", "--ab-env", "NOVALUE"])
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "kimi-linear-tiny", "--device", "cpu", "--systems", "stock", "--ab-env", "A=1+=2"])
+
+
+def test_ab_env_variants_may_set_several_variables(monkeypatch):
+    bench = _script("bench_mla_prefill")
+    assert bench.parse_ab_env("UNIMEM_PREFILL_GRAPHS=2048,4096+UNIMEM_PREFILL_CONV=shifted") == [
+        ("UNIMEM_PREFILL_GRAPHS", "2048,4096"), ("UNIMEM_PREFILL_CONV", "shifted")]
+    assert bench.parse_ab_env("X=") == [("X", "")]
+    with pytest.raises(ValueError, match=r"--ab-env takes NAME=VALUE\[\+NAME=VALUE\.\.\.\], got 'A=1\+B'"):
+        bench.parse_ab_env("A=1+B")
+    monkeypatch.delenv("UNIMEM_AB_P", raising=False)
+    monkeypatch.setenv("UNIMEM_AB_Q", "q0")
+    with bench._overridden([("UNIMEM_AB_P", "1"), ("UNIMEM_AB_Q", "2")]):
+        assert (os.environ["UNIMEM_AB_P"], os.environ["UNIMEM_AB_Q"]) == ("1", "2")
+    assert "UNIMEM_AB_P" not in os.environ and os.environ["UNIMEM_AB_Q"] == "q0"  # both put back
 
 
 def test_prefill_engine_burst_packs_and_records_both_settings(tmp_path):
