@@ -23,6 +23,7 @@ from .errors import GeometryError, UnsupportedModel
 from .hf.adapters import ModelAdapter, adapter_for
 from .hf.masks import with_real_masks
 from .hf.runtime import UnimemHandle, install
+from .ops.common import HOST_PLANNED
 from .options import CompileOptions
 from .pool import ArenaLayout, UnifiedPool
 from .runner.decode import DecodeRunner
@@ -314,7 +315,9 @@ def compile(  # noqa: A001 - the public name of docs/design.md section 5
     # the forward of UNIMEM_PREFILL_GRAPHS' steps: static shapes, Inductor's CUDA graphs partitioned around the
     # host-planned ops; a code object of its own (its own Dynamo cache and recompile count); compiles on first use
     prefill_graphed = None
-    if cudagraphs and options.backend == "inductor":  # (off CUDA Inductor ignores the CUDA graphs: static graphs)
+    # (off CUDA Inductor ignores the CUDA graphs: static graphs; a torch without the cudagraph_unsafe tag would
+    # capture mla_prefill's host plan: no such forward there)
+    if cudagraphs and options.backend == "inductor" and HOST_PLANNED:
         prefill_graphed = torch.compile(_own_entry(model.forward, f"{tag}_prefill_graphs"), fullgraph=True,
                                         dynamic=False, backend=manager.backend(options.backend, True,
                                                                                prefill_graphs=True))

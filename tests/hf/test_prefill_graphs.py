@@ -72,6 +72,11 @@ def test_listed_lengths_route_to_the_static_cuda_graphed_forward_and_tokens_stay
     assert torch.equal(out, greedy(stock, longer, torch.ones_like(longer), 5))
     assert len([a for a in asked if a[1]]) == 2 and model.unimem.prefill_graph_steps == 8
 
+    model.unimem.prefill_graphs_exhausted = True  # (past the recompile limit): the symbolic forward only
+    out = greedy(model, ids, mask, 5, prefill_chunk_size=8)
+    assert torch.equal(out, expected) and model.unimem.prefill_graph_steps == 8
+    model.unimem.prefill_graphs_exhausted = False
+
     monkeypatch.delenv(env.PREFILL_GRAPHS)
     out = greedy(model, ids, mask, 5, prefill_chunk_size=8)  # unset: every step runs the dynamic forward
     assert torch.equal(out, expected) and model.unimem.prefill_graph_steps == 8
@@ -137,3 +142,55 @@ def test_without_inductor_partition_points_a_graph_calling_a_host_syncing_op_is_
         "custom_should_partition_ops": ["transformers::grouped_mm_fallback"]}
     assert _op_name(torch.ops.transformers.grouped_mm_fallback) == "transformers::grouped_mm_fallback"
     assert _op_name(torch.ops.aten.addcmul.default) == "aten::addcmul" and _op_name(len) is None
+
+
+def test_no_graphed_prefill_under_debug_checks(monkeypatch):
+    """UNIMEM_DEBUG=1: the launchers' id checks read the device back, which a capture cannot hold."""
+    model = compiled_small()
+    cache = model.unimem.new_cache(1)
+    try:
+        ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+        monkeypatch.setenv(env.PREFILL_GRAPHS, "6")
+        assert _graphed_prefill({"input_ids": ids}, cache)
+        monkeypatch.setenv(env.DEBUG, "1")
+        assert not _graphed_prefill({"input_ids": ids}, cache)
+    finally:
+        cache.release()
+
+
+def test_a_graphed_step_returns_its_own_copies_of_the_output_tensors():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from unimem_compile.hf.runtime import _own_outputs
+
+    logits = torch.randn(1, 3, 11, generator=torch.Generator().manual_seed(4))
+    sentinel = object()
+    out = _own_outputs(CausalLMOutputWithPast(logits=logits, past_key_values=sentinel))
+    assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+    assert out.past_key_values is sentinel  # the cache object itself, not copied
+    assert _own_outputs(sentinel) is sentinel
+
+
+def test_past_the_recompile_limit_the_step_and_later_ones_run_the_symbolic_forward(monkeypatch, caplog):
+    from unimem_compile.hf import runtime
+
+    model = compiled_small()
+    handle = model.unimem
+    calls = []
+
+    def graphed(*args, **inputs):
+        calls.append("graphed")
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    def symbolic(*args, **inputs):
+        calls.append(("symbolic", tuple(inputs)))
+        return "out"
+
+    monkeypatch.setattr(handle, "prefill_graphs_exhausted", False)
+    monkeypatch.setattr(handle, "prefill_graph_steps", 0)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING", logger="unimem_compile.hf.runtime"):
+        assert runtime._graphed_run(handle, graphed, symbolic, None)(input_ids=ids) == "out"
+    assert calls == ["graphed", ("symbolic", ("input_ids",))]
+    assert handle.prefill_graphs_exhausted and handle.prefill_graph_steps == 0
+    assert f"recompile limit of {runtime.RECOMPILE_LIMIT} graphs" in caplog.text

@@ -34,23 +34,27 @@ def causal_conv1d_shifted(hidden_states: torch.Tensor, weight: torch.Tensor, bia
             or ``"swish"`` (transformers' ACT2FN names).
 
     Returns:
-        a fresh ``[B, C, L]`` in ``hidden_states``' dtype, computed in the weight's dtype as the original is.
-        The sum runs over k in order (K products, K - 1 additions): not the same rounding as a convolution
-        kernel's accumulation, so results differ from ``F.conv1d`` by rounding (a few ulp of the weight's
-        dtype; tests/hf/test_prefill_conv.py bounds it)."""
+        a fresh ``[B, C, L]`` in ``hidden_states``' dtype. As the original, ``x`` is first rounded to the
+        weight's dtype; the products, the sum over k (in order), the bias and the activation then run in fp32
+        for a 16-bit weight (else in the weight's dtype) and the result is rounded to the weight's dtype once,
+        then to ``hidden_states``' dtype (a convolution kernel accumulates in fp32 too; it rounds before the
+        activation, this after it). Not bit-equal to ``F.conv1d``: the summation order differs
+        (tests/hf/test_prefill_conv.py bounds it)."""
     del kwargs
     from transformers.activations import ACT2FN
 
     length, k_size = hidden_states.shape[-1], weight.shape[-1]
-    x = F.pad(hidden_states.to(weight.dtype), (k_size - 1, 0))
-    out = x[..., 0:length] * weight[:, 0:1]
+    acc = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    x = F.pad(hidden_states.to(weight.dtype).to(acc), (k_size - 1, 0))
+    w = weight.to(acc)
+    out = x[..., 0:length] * w[:, 0:1]
     for k in range(1, k_size):
-        out = out + x[..., k:k + length] * weight[:, k:k + 1]
+        out = out + x[..., k:k + length] * w[:, k:k + 1]
     if bias is not None:
-        out = out + bias[:, None]
+        out = out + bias.to(acc)[:, None]
     if activation is not None:
         out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)
+    return out.to(weight.dtype).to(hidden_states.dtype)
 
 
 def chunk_kimi_delta_attention(

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import math
 import threading
 import weakref
@@ -56,6 +57,8 @@ __all__ = ["UnimemHandle", "StepBuffers", "DEFERRED_STOP_MIN_ROWS", "RECOMPILE_L
 #: Rows from which ``deferred_stop_check=None`` defers the stop check (measured on an H200 with the
 #: Kimi-Linear-48B 4-layer model, prompt 512: batch 1 -5-8%, batch 8 +3%, batch 32 +10-28% decode tokens/s).
 DEFERRED_STOP_MIN_ROWS = 8
+
+logger = logging.getLogger(__name__)
 
 #: Graphs one compiled model may accumulate (prefill lengths and batch sizes before Dynamo marks them
 #: dynamic, with and without a padding mask); torch's default of 8 is counted per code object.
@@ -153,9 +156,12 @@ class UnimemHandle:
         #: rows of ``max_seq_len`` tokens, each with its state, that the arena holds at once (at most
         #: ``max_batch_size``; ``compile()`` sets it and warns when it is fewer)
         self.full_rows = max_batch_size
-        #: prefill steps that ran the CUDA-graphed forward of ``UNIMEM_PREFILL_GRAPHS`` (a count; 0 when the
-        #: variable is unset, off CUDA, without ``cudagraphs`` or with another backend than Inductor)
+        #: prefill steps that ran the static forward of ``UNIMEM_PREFILL_GRAPHS`` (a count of steps routed there;
+        #: whether Inductor CUDA-graphed their graph, ``TORCH_LOGS=cudagraphs`` says; 0 when the variable is
+        #: unset, without ``cudagraphs``, with another backend than Inductor or under ``UNIMEM_DEBUG=1``)
         self.prefill_graph_steps = 0
+        #: True once that forward reached Dynamo's recompile limit: prefill steps then all run the symbolic one
+        self.prefill_graphs_exhausted = False
 
     @property
     def deferred_stop_check(self) -> bool | None:
@@ -370,12 +376,46 @@ def _requires_grad(model) -> bool:
 
 def _graphed_prefill(kwargs: dict, cache) -> bool:
     """Whether this forward is a prefill step of one of ``UNIMEM_PREFILL_GRAPHS``' lengths (tokens per row)
-    on a UnifiedCache. Raises ValueError for a malformed variable (``env.prefill_graph_lengths``)."""
+    on a UnifiedCache. Never under ``UNIMEM_DEBUG=1``: the launchers' id checks read the device back, which a
+    capture cannot hold (the decode runner does not capture then either). Raises ValueError for a malformed
+    variable (``env.prefill_graph_lengths``)."""
     ids = kwargs.get("input_ids")
     if not isinstance(cache, UnifiedCache) or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
-            or ids.shape[1] < 2:
+            or ids.shape[1] < 2 or env.debug():
         return False
     return int(ids.shape[1]) in env.prefill_graph_lengths()
+
+
+def _own_outputs(out):
+    """A graphed step's output with its tensors copied out of the CUDA-graph trees' pool: the trees reuse that
+    memory at the next replay (reading an older step's logits would then raise), and a caller may keep
+    each chunk's logits (a ``ModelOutput``'s tensor fields; anything else is returned as it is)."""
+    if hasattr(out, "items"):
+        for name, value in list(out.items()):
+            if isinstance(value, torch.Tensor):
+                out[name] = value.clone()
+    return out
+
+
+def _graphed_run(handle: UnimemHandle, prefill_graphed, compiled, cache):
+    """The graphed forward of one step, its outputs copied out (:func:`_own_outputs`). Past Dynamo's
+    recompile limit (each batch size, padded or not, first chunk or later, is a static graph of its own)
+    the step runs the symbolic forward instead, and so do all later ones of this model, with one warning:
+    the limit is hit while compiling, before anything ran, so nothing of the step is lost."""
+
+    def run(*args, **inputs):
+        try:
+            out = prefill_graphed(*args, **inputs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            handle.prefill_graphs_exhausted = True
+            logger.warning("UNIMEM_PREFILL_GRAPHS: the CUDA-graphed prefill forward reached Dynamo's recompile "
+                           "limit of %d graphs; this model's prefill steps run the symbolic forward from now on",
+                           RECOMPILE_LIMIT)
+            return compiled(*args, **prepare_step_inputs(inputs, cache))
+        handle.prefill_graph_steps += 1
+        return _own_outputs(out)
+
+    return run
 
 
 def _forward(model, handle: UnimemHandle, compiled, prefill_graphed=None):
@@ -400,10 +440,9 @@ def _forward(model, handle: UnimemHandle, compiled, prefill_graphed=None):
                 "unimem_compile runs inference only: its linear-attention ops have no backward; call the model "
                 "under torch.no_grad() or torch.inference_mode() (generate() does)"
             )
-        graphed = prefill_graphed is not None and _graphed_prefill(kwargs, cache)
-        run = prefill_graphed if graphed else compiled
-        if graphed:
-            handle.prefill_graph_steps += 1
+        graphed = prefill_graphed is not None and not handle.prefill_graphs_exhausted \
+            and _graphed_prefill(kwargs, cache)
+        run = _graphed_run(handle, prefill_graphed, compiled, cache) if graphed else compiled
         # one graph per query-length bucket; a graphed prefill's graph is static in its length
         inputs = prepare_step_inputs(kwargs, cache, dynamic=not graphed)
         # the step's stored lengths, which prepare_step uploaded: ops that plan on the host (mla_prefill) read
