@@ -60,6 +60,9 @@ DEFERRED_STOP_MIN_ROWS = 8
 
 logger = logging.getLogger(__name__)
 
+# what Dynamo raises past its recompile limit with fullgraph=True (nothing to catch on a torch without it)
+_RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
 #: Graphs one compiled model may accumulate (prefill lengths and batch sizes before Dynamo marks them
 #: dynamic, with and without a padding mask); torch's default of 8 is counted per code object.
 RECOMPILE_LIMIT = 32
@@ -406,7 +409,7 @@ def _graphed_run(handle: UnimemHandle, prefill_graphed, compiled, cache):
     def run(*args, **inputs):
         try:
             out = prefill_graphed(*args, **inputs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except _RECOMPILE_LIMIT_HIT:
             handle.prefill_graphs_exhausted = True
             logger.warning("UNIMEM_PREFILL_GRAPHS: the CUDA-graphed prefill forward reached Dynamo's recompile "
                            "limit of %d graphs; this model's prefill steps run the symbolic forward from now on",
