@@ -713,15 +713,15 @@ def model_level(args) -> dict:
 
     result["transformers"] = transformers.__version__
     vocab = None
-    models = {}
+    models, warm = {}, {}  # warm: each system's untimed warm-up prompt (its own vocabulary)
     for system in args.systems:
         t = time.perf_counter()
         rows_cap = max(args.batch, args.burst_rows if args.engine_burst else 1)  # the burst packs that many rows
         model = _build(system, args.model, device, dtype, max_seq_len, args.backend, rows_cap)
         vocab = model.config.vocab_size
-        warm = torch.randint(3, vocab, (args.batch, warm_up_tokens(rows, args.chunk)),
-                             generator=torch.Generator().manual_seed(1))
-        _prefill(model, warm.to(device), args.chunk)  # compiles the first-chunk and the later-chunk graphs
+        warm[system] = torch.randint(3, vocab, (args.batch, warm_up_tokens(rows, args.chunk)),
+                                     generator=torch.Generator().manual_seed(1)).to(device)
+        _prefill(model, warm[system], args.chunk)  # compiles the first-chunk and the later-chunk graphs
         _sync(device)
         models[system] = model
         result["systems"][system] = {"build_and_warmup_s": time.perf_counter() - t, "graphs": _graphs(model),
@@ -739,7 +739,7 @@ def model_level(args) -> dict:
             t = time.perf_counter()
             with _overridden(pairs):
                 for _ in range(2):
-                    _prefill(models[system], warm.to(device), args.chunk)
+                    _prefill(models[system], warm[system], args.chunk)
             _sync(device)
             result["systems"][variant]["variant_warmup_s"] = time.perf_counter() - t
             print(f"{variant}: warmed up in {result['systems'][variant]['variant_warmup_s']:.1f} s")
